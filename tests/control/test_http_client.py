@@ -226,3 +226,30 @@ def test_bad_construction_is_refused() -> None:
         HTTPWeightSyncClient(["http://a:1", "a:1/"])
     with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
         HTTPWeightSyncClient("http://a:1", timeout=0)
+
+
+def test_a_wait_pause_carries_its_bound_only_where_every_server_advertised_it() -> None:
+    """``PAUSE_BOUNDS``: a ``wait`` pause (``/pause``, a start's, the round in one request's)
+    carries ``wait_s``, this client's timeout less a tenth (0.5 to 30 s), once every server's
+    init reply named it; never to a server that did not (stock vLLM), never for other modes."""
+    from weightwire.shared.routes import PAUSE_BOUNDS, START_PAUSES, UPDATE_STARTS
+
+    for named, bound in (([], None), ([PAUSE_BOUNDS, START_PAUSES, UPDATE_STARTS], "4.500")):
+        servers = Servers({"a": 1})
+        servers.responses["a", "/init_weight_transfer_engine"] = httpx.Response(
+            200, json={"features": named}
+        )
+        client = servers.client()  # timeout=5
+        client.init_weight_transfer_engine({"rank_offset": 1, "world_size": 2})
+        client.pause("wait")
+        client.pause("abort")
+        if bound is not None:
+            client.pause_and_start("wait")
+            client.start_update_finish(
+                {"names": ["w"]}, "v", pause="wait", reset_caches=True, resume=True
+            )
+        sent = [q for _, _, p, _, q in servers.seen if p != "/init_weight_transfer_engine"]
+        assert [q.get("wait_s") for q in sent] == (
+            [None, None] if bound is None else [bound, None, bound, bound]
+        ), sent
+    assert HTTPWeightSyncClient("http://a:1", timeout=600)._wait_bound("wait") == {}  # not told

@@ -21,9 +21,17 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from tests.faults.harness import AUTH, TensorSource, client_for, engine_for
+from tests.faults.harness import AUTH, CLIENT_TIMEOUT_S, TensorSource, client_for, engine_for
 
-ONE_REQUEST = "update_weights?start=true&pause={mode}&finish=true&reset_caches={reset}&resume=true"
+ONE_REQUEST = "update_weights?start=true&{pause}&finish=true&reset_caches={reset}&resume=true"
+WAIT_S = f"{CLIENT_TIMEOUT_S * 0.9:.3f}"
+"""The bound a ``wait`` pause carries (``routes.PAUSE_BOUNDS``): the client's timeout less a
+tenth."""
+
+
+def pause_query(mode: str) -> str:
+    """A start's pause as the client sends it to the reference server."""
+    return f"pause={mode}" + (f"&wait_s={WAIT_S}" if mode == "wait" else "")
 
 
 class HearsWorkers:

@@ -29,7 +29,7 @@ from tests.faults.harness import (
     observe,
     quiet_shutdown,
 )
-from tests.faults.one_request import recorded_engine, recording
+from tests.faults.one_request import WAIT_S, recorded_engine, recording
 from tests.faults.servers import Server
 from weightwire.shared.errors import ConfigError, SourceMismatch, WeightSyncError
 from weightwire.shared.limits import LIMITS
@@ -78,7 +78,7 @@ def test_a_weight_version_over_the_servers_limit_fails_before_any_call(
     ("info", "query"),
     [
         ({"pause_mode": "abort"}, "start_weight_update?pause=abort"),
-        ({"pause_mode": "wait"}, "start_weight_update?pause=wait"),
+        ({"pause_mode": "wait"}, f"start_weight_update?pause=wait&wait_s={WAIT_S}"),
         # keep would queue requests behind a round applied in place: paused with abort
         ({"pause_mode": "keep"}, "start_weight_update?pause=abort"),
         ({"reset_prefix_cache": False}, "start_weight_update?pause=abort"),

@@ -36,7 +36,13 @@ from tests.faults.harness import (
     quiet_shutdown,
     sha256_of,
 )
-from tests.faults.one_request import ONE_REQUEST, hearing, recorded_engine, recording
+from tests.faults.one_request import (
+    ONE_REQUEST,
+    hearing,
+    pause_query,
+    recorded_engine,
+    recording,
+)
 from tests.faults.servers import Server
 from tests.faults.test_finish_in_update_combos import _sparse
 from weightwire.shared.errors import ConfigError, RoundError, WeightSyncError
@@ -57,7 +63,7 @@ def _awake(probe: Probe) -> None:
 
 
 def _one(mode: str = "abort", reset: str = "true") -> str:
-    return ONE_REQUEST.format(mode=mode, reset=reset)
+    return ONE_REQUEST.format(pause=pause_query(mode), reset=reset)
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.info import encode_secret
 from weightwire.shared.routes import (
     FINISH_RESETS_RESUMES,
+    PAUSE_BOUNDS,
     START_PAUSES,
     UPDATE_FINISHES,
     UPDATE_STARTS,
@@ -93,6 +94,7 @@ def test_init_names_the_feature_and_a_committed_finish_resets_and_resumes(served
         FINISH_RESETS_RESUMES,
         UPDATE_FINISHES,
         UPDATE_STARTS,
+        PAUSE_BOUNDS,
     ]
     http.post("/pause", params={"mode": "abort"})
     http.post("/start_weight_update")

@@ -60,3 +60,50 @@ def test_draft_round_is_refused_with_the_reason(client: HTTPWeightSyncClient) ->
         match=r"start_draft_weight_update failed .*400.*no speculative-decoding draft",
     ):
         client.start_draft_weight_update()
+
+
+def _still_running(out: list[httpx.Response]) -> None:
+    assert not out, "the generation ended before the bound: the case tests nothing"
+
+
+def test_a_wait_pause_past_its_clients_bound_is_504_and_undone_never_taking_effect_later(
+    server,
+) -> None:
+    """``PAUSE_BOUNDS``: ``/pause?mode=wait&wait_s=`` and a start's ``pause=wait&wait_s=`` stop
+    draining at the client's bound (below ``--generate-timeout``), answer 504 and undo the
+    pause they took: once the generation ends the server is still not paused and the session
+    has no round (was: the drain waited up to --generate-timeout, past the client, and then
+    paused, or opened the round, for a caller that was told it failed)."""
+    from tests.server._server_sender import TCPSender, VLLMStyleClient
+
+    http = httpx.Client(base_url=server.url, timeout=30)
+    t, out = running_generation(server.url)
+    resp = http.post("/pause", params={"mode": "wait", "wait_s": "0.2"})
+    _still_running(out)
+    assert resp.status_code == 504, resp.text
+    assert "still running after 0.2 s (mode=wait); the pause was undone" in resp.text
+    assert http.get("/is_paused").json() == {"is_paused": False}
+    sender = TCPSender(VLLMStyleClient(server.url), replicas=1)
+    try:
+        sender.init()
+        resp = http.post("/start_weight_update", params={"pause": "wait", "wait_s": "0.2"})
+        _still_running(out)
+        assert resp.status_code == 504, resp.text
+        assert "the pause this start took was undone" in resp.text, resp.text
+        t.join(60)
+        assert out and out[0].status_code == 200
+        assert http.get("/is_paused").json() == {"is_paused": False}
+        assert http.get("/weight_info").json()["session"]["state"] == "ready"
+        for params, word in (
+            ({"mode": "abort", "wait_s": "1"}, "give it with mode=wait"),
+            ({"mode": "wait", "wait_s": "0"}, "wait_s must be a positive number"),
+            ({"mode": "wait", "wait_s": "nan"}, "wait_s must be a positive number"),
+        ):
+            resp = http.post("/pause", params=params)
+            assert resp.status_code == 422 and word in resp.text, resp.text
+        resp = http.post("/start_weight_update", params={"wait_s": "1"})
+        assert resp.status_code == 422 and "give it with pause=wait" in resp.text, resp.text
+        assert http.get("/is_paused").json() == {"is_paused": False}
+    finally:
+        sender.close()
+        http.close()

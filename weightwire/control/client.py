@@ -188,6 +188,21 @@ class HTTPWeightSyncClient(ServingRoutes):
         vLLM): ``pause_and_start`` may be used."""
         return all(routes.START_PAUSES in f for f in self._features)
 
+    def bounds_pause_waits(self) -> bool:
+        """Every server's init reply named ``PAUSE_BOUNDS`` (the reference server; never stock
+        vLLM): a pause that waits carries ``wait_s``."""
+        return all(routes.PAUSE_BOUNDS in f for f in self._features)
+
+    def _wait_bound(self, mode: str) -> dict[str, str]:
+        """A ``wait`` pause's ``wait_s`` where every server takes it (``PAUSE_BOUNDS``): this
+        client's request timeout less a margin, so the server's drain gives up (504, its pause
+        undone) while this client still waits for the answer: a pause it gave up on never
+        takes effect later."""
+        if mode != "wait" or not self.bounds_pause_waits():
+            return {}
+        margin = min(_WAIT_MARGIN_MAX_S, max(_WAIT_MARGIN_MIN_S, _WAIT_MARGIN * self.timeout))
+        return {routes.WAIT_BOUND: f"{max(self.timeout - margin, _WAIT_MARGIN_MIN_S):.3f}"}
+
     def pause_and_start(self, mode: str) -> None:
         """``pause(mode)`` then ``start_weight_update()`` on every server, in one request each
         (only where advertised: ``starts_with_pause``). A server whose start was refused by its
@@ -196,7 +211,7 @@ class HTTPWeightSyncClient(ServingRoutes):
             raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         if not self.starts_with_pause():
             raise RuntimeError("not every server advertised start_pauses at init")
-        self._all(routes.START, params={"pause": mode})
+        self._all(routes.START, params={"pause": mode, **self._wait_bound(mode)})
 
     def finishes_with_resume(self) -> bool:
         """Every server's init reply named ``FINISH_RESETS_RESUMES`` (weightwire's reference
@@ -292,7 +307,7 @@ class HTTPWeightSyncClient(ServingRoutes):
             body["weight_version"] = weight_version
         params = {"start": "true"}
         if pause is not None:
-            params["pause"] = pause
+            params.update(pause=pause, **self._wait_bound(pause))
         params.update(
             finish="true",
             reset_caches="true" if reset_caches else "false",
@@ -427,6 +442,10 @@ def refused_resume(
             )
     return None
 
+
+_WAIT_MARGIN, _WAIT_MARGIN_MIN_S, _WAIT_MARGIN_MAX_S = 0.1, 0.5, 30.0
+"""A bounded pause's margin (``_wait_bound``): a tenth of the request timeout, 0.5 to 30 s,
+for the rest of the request (the start's workers, the answer's way back)."""
 
 _ANSWERED = 200
 """The status of a reply that carried a resume's refusal in its body: the finish (or update)

@@ -25,10 +25,15 @@ class ServingRoutes(ServerSet):
     def pause(self, mode: str = "keep", *, clear_cache: bool | None = None) -> None:
         if mode not in PAUSE_MODES:
             raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        params: dict[str, Any] = {"mode": mode}
+        params: dict[str, Any] = {"mode": mode, **self._wait_bound(mode)}
         if clear_cache is not None:
             params["clear_cache"] = "true" if clear_cache else "false"
         self._all(routes.PAUSE, params=params)
+
+    def _wait_bound(self, mode: str) -> dict[str, str]:
+        """The query field that bounds a pause's wait (``routes.PAUSE_BOUNDS``), where the
+        servers take it; none here (a stock server's /pause takes no such field)."""
+        return {}
 
     def resume(self) -> None:
         self._all(routes.RESUME)

@@ -42,12 +42,13 @@ would only move the trainer's third call.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 
-from weightwire.shared.routes import PAUSE_MODES
+from weightwire.shared.routes import PAUSE_MODES, WAIT_BOUND
 from weightwire.tools.server.state import ServerState
 from weightwire.tools.server.web import ApiError, query_once
 
@@ -106,11 +107,40 @@ def pause_query(request: Request) -> str | None:
     return mode
 
 
+def wait_bound_query(request: Request, mode: str | None, key: str) -> float | None:
+    """A pause's ``wait_s`` (``PAUSE_BOUNDS``: the longest its client waits; None: not
+    given); 422 naming it when it is not a positive number, or given to a pause that does not
+    wait (``mode``, the value of query field ``key``, is not ``wait``)."""
+    raw = query_once(request, WAIT_BOUND)
+    if raw is None:
+        return None
+    if mode != "wait":
+        raise ApiError(
+            422,
+            f"query parameter {WAIT_BOUND} bounds a pause that waits: give it with {key}=wait "
+            f"(got {key}={mode!r:.20})",
+            param=WAIT_BOUND,
+        )
+    try:
+        bound = float(raw)
+    except ValueError:
+        bound = math.nan
+    if not (math.isfinite(bound) and bound > 0):
+        raise ApiError(
+            422,
+            f"{WAIT_BOUND} must be a positive number of seconds, got {raw!r:.40}",
+            param=WAIT_BOUND,
+        )
+    return bound
+
+
 @dataclass(frozen=True)
 class StartAsked:
-    """An update's ``start=true``: the round's start (and its ``pause``) in the same request."""
+    """An update's ``start=true``: the round's start (and its ``pause``, its ``wait_s``) in
+    the same request."""
 
     pause: str | None = None
+    wait_s: float | None = None
 
 
 def update_start_query(request: Request, then: AfterCommit | None) -> StartAsked | None:
@@ -119,10 +149,11 @@ def update_start_query(request: Request, then: AfterCommit | None) -> StartAsked
     or a ``pause`` without ``start``)."""
     raw = query_once(request, "start")
     if raw is None or raw.lower() in _FALSE:
-        if "pause" in request.query_params:
-            raise ApiError(
-                422, "query parameter pause is a start's: give start=true with it", param="pause"
-            )
+        for name in ("pause", WAIT_BOUND):
+            if name in request.query_params:
+                raise ApiError(
+                    422, f"query parameter {name} is a start's: give start=true with it", param=name
+                )
         return None
     if raw.lower() not in _TRUE:
         raise ApiError(
@@ -135,7 +166,8 @@ def update_start_query(request: Request, then: AfterCommit | None) -> StartAsked
             "and its commit (start the round apart with /start_weight_update otherwise)",
             param="start",
         )
-    return StartAsked(pause_query(request))
+    mode = pause_query(request)
+    return StartAsked(mode, wait_bound_query(request, mode, "pause"))
 
 
 def update_finish_query(request: Request) -> AfterCommit | None:

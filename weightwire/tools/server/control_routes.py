@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from weightwire.shared.routes import ROUTES
+from weightwire.tools.server.after_commit import wait_bound_query
 from weightwire.tools.server.replicas import FanOutError
 from weightwire.tools.server.state import SERVER_VERSION, ServerState
 from weightwire.tools.server.web import (
@@ -42,7 +43,23 @@ def _pause_routes(app: FastAPI, state: ServerState) -> None:
         mode = query_once(request, "mode")
         mode = "abort" if mode is None else mode
         _bool_query(request, "clear_cache", default=True)  # no KV cache outlives a request here
-        await pause_generation(state, mode)
+        bound = wait_bound_query(request, mode, "mode")  # advertised (PAUSE_BOUNDS)
+        held, ours = gate.mode, gate.pauses + 1
+        try:
+            await pause_generation(state, mode, wait_s=bound)
+        except ApiError as exc:
+            # A wait that did not drain: the caller is told the pause failed, so it does not
+            # stay (was: held, taking effect for a caller that gave up), unless another pause
+            # or a resume came since.
+            if gate.pauses == ours and gate.mode == mode:
+                if held is None:
+                    gate.resume()
+                else:
+                    gate.pause(held)
+                exc.message += "; the pause was undone"
+                if held is not None:
+                    exc.message += f" (the pause held before it stays: mode={held})"
+            raise
         return {"status": "paused"}
 
     @app.post(ROUTES["abort_requests"].path)
@@ -81,9 +98,13 @@ def _pause_routes(app: FastAPI, state: ServerState) -> None:
         return {"is_paused": gate.paused}
 
 
-async def pause_generation(state: ServerState, mode: str, *, ahead: bool = False) -> None:
+async def pause_generation(
+    state: ServerState, mode: str, *, ahead: bool = False, wait_s: float | None = None
+) -> None:
     """What ``/pause?mode=`` does (also asked by a start: ``weight_routes``): hold the gate;
-    ``abort`` cancels what runs, ``wait`` returns once it finished (bounded).
+    ``abort`` cancels what runs, ``wait`` returns once it finished (bounded by
+    ``--generate-timeout`` and, where the client gave it, ``wait_s``: the longest it waits for
+    the answer, ``PAUSE_BOUNDS``; past it, 504; the caller undoes the pause it took).
 
     ``ahead`` (a start that pauses): the cancel is posted, not awaited: the start's own call
     follows it on each worker's pipe, so every worker takes the cancel first, as when its
@@ -97,7 +118,8 @@ async def pause_generation(state: ServerState, mode: str, *, ahead: bool = False
         with contextlib.suppress(FanOutError):  # a dead replica has nothing in flight to cancel
             await state.pool.fan_out("cancel", timeout=_CANCEL_TIMEOUT_S)
     elif mode == "wait":
-        await gate.drain(state.options.generate_timeout_s)
+        bound = state.options.generate_timeout_s
+        await gate.drain(bound if wait_s is None else min(bound, wait_s))
 
 
 def _cache_routes(app: FastAPI) -> None:

@@ -88,7 +88,7 @@ class PauseGate:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except TimeoutError:
             raise ApiError(
-                504, f"{self.inflight} request(s) still running after {timeout:.0f}s (mode=wait)"
+                504, f"{self.inflight} request(s) still running after {timeout:.3g} s (mode=wait)"
             ) from None
 
     def _settle(self) -> None:

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from weightwire.shared.routes import (
     CHECKER_ACTIONS,
     FINISH_RESETS_RESUMES,
+    PAUSE_BOUNDS,
     SERVED_MODEL,
     START_KEPT_HELD,
     START_PAUSE_FIELD,
@@ -40,6 +41,7 @@ from weightwire.tools.server.after_commit import (
     pause_query,
     update_finish_query,
     update_start_query,
+    wait_bound_query,
 )
 from weightwire.tools.server.call_clock import CallClock
 from weightwire.tools.server.control_routes import pause_generation
@@ -123,7 +125,13 @@ def _session_routes(app: FastAPI, state: ServerState) -> None:
             "message": "Weight transfer initialized",
             "session_id": session_id,
             # the client uses only what is named here
-            "features": [START_PAUSES, FINISH_RESETS_RESUMES, UPDATE_FINISHES, UPDATE_STARTS],
+            "features": [
+                START_PAUSES,
+                FINISH_RESETS_RESUMES,
+                UPDATE_FINISHES,
+                UPDATE_STARTS,
+                PAUSE_BOUNDS,
+            ],
         }
         # every replica loads the one model directory: the first one's says it for all
         served = replies[0].get(SERVED_MODEL) if replies and isinstance(replies[0], dict) else None
@@ -163,8 +171,9 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
         clock = CallClock()
         await read_no_body(request)
         mode = pause_query(request)  # advertised (START_PAUSES): pause first, in this request
+        bound = wait_bound_query(request, mode, "pause")  # advertised (PAUSE_BOUNDS)
         _start_checks(state, request, mode)
-        await _open_round(state, mode, clock)
+        await _open_round(state, mode, clock, bound)
         arm_lease(state)
         return JSONResponse({"message": "Weight update started"}, headers=clock.headers())
 
@@ -308,14 +317,16 @@ def _check_awake(state: ServerState) -> None:
         )
 
 
-async def _open_round(state: ServerState, mode: str | None, clock: CallClock) -> None:
+async def _open_round(
+    state: ServerState, mode: str | None, clock: CallClock, wait_s: float | None = None
+) -> None:
     """The start once its checks passed: its own pause (``START_PAUSES``; only now, so a
     refusal paused nothing), then every worker's start (a worker written through sends its go
     on the data plane from inside it), and the round is open."""
     session = state.session
     if mode is not None:
         with clock.part("pause"):
-            await _pause_first(state, mode)
+            await _pause_first(state, mode, wait_s)
     async with session.operation("start_weight_update"):
         with clock.part("worker"):
             await fan_out_or_fail(
@@ -370,7 +381,7 @@ async def _start_in_update(
             if starts.pause is not None:
                 _say_pause(refused, START_PAUSED_NOTHING, START_PAUSE_NONE, state.gate.mode)
             raise refused from None
-        await _open_round(state, starts.pause, clock)
+        await _open_round(state, starts.pause, clock, starts.wait_s)
     except (ApiError, SessionError) as exc:
         if not exc.message.startswith("start_weight_update"):
             verb = "refused" if exc.status < 500 else "failed"
@@ -379,7 +390,7 @@ async def _start_in_update(
     return per
 
 
-async def _pause_first(state: ServerState, mode: str) -> None:
+async def _pause_first(state: ServerState, mode: str, wait_s: float | None = None) -> None:
     """A start's own pause (``START_PAUSES``), before any of its workers starts. It may wait
     (``wait``: the running requests drain), and a newer init may replace the session
     meanwhile, or a ``/sleep`` put the weights away: the start is checked again once the
@@ -392,7 +403,7 @@ async def _pause_first(state: ServerState, mode: str) -> None:
     session, gate = state.session, state.gate
     serial, held, ours = session.serial, gate.mode, gate.pauses + 1
     try:
-        await pause_generation(state, mode, ahead=True)
+        await pause_generation(state, mode, ahead=True, wait_s=wait_s)
         if session.serial != serial:
             raise SessionError(
                 409,
