@@ -25,6 +25,7 @@ defined outside this module)::
       WeightSyncError (RuntimeError)
         ControlTimeout (TimeoutError)
         ServerNotReady (TimeoutError)        [weightwire.control.ready]
+        AdapterUnloaded                      [weightwire.trainer.lora]
       RoundError
         DeltaBaseMismatch (RuntimeError)
         EngineBroken (RuntimeError)          [weightwire.trainer.engine]
@@ -46,6 +47,7 @@ defined outside this module)::
         ApiError                             [weightwire.tools.server.web]
           ClientGone                         [weightwire.tools.server.web]
           BodyTooLarge                       [weightwire.tools.server.web]
+          NothingToReuse                     [weightwire.tools.server.weight_rules]
         SessionError                         [weightwire.tools.server.session]
         ReplicaError                         [weightwire.tools.server.replica]
         FanOutError                          [weightwire.tools.server.replicas]
