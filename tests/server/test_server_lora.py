@@ -421,6 +421,44 @@ def test_unload_drops_an_adapter_a_round_replaced_or_the_route_loaded(
         engine.shutdown()
 
 
+def test_a_send_after_an_external_unload_says_so_and_the_next_registers_again(
+    server: VLLMServer, client: Any, tmp_path: Path
+) -> None:
+    """``/v1/unload_lora_adapter`` from outside after ``AdapterSync`` registered the adapter:
+    its next ``send`` fails naming what happened and the fix (``AdapterUnloaded``: the
+    adapter was unloaded from the server; it registers again) and commits nothing; the
+    ``send`` after it registers the adapter again by itself (was: the workers' "not
+    registered here" only, and every later ``send`` failed the same way: the registration
+    was cached)."""
+    from weightwire.trainer.lora import AdapterUnloaded
+
+    live = {"tree": jax_adapter(41)}
+    source = lora_source(lambda: live["tree"], "extpol")
+    engine = JAXTrainerEngine.trainer_init(INFO, client=client, source=source)
+    try:
+        sync = AdapterSync(engine, "extpol", alpha=ALPHA, adapter_dir=tmp_path / "extpol")
+        sync.send(weight_version="ext-1")
+        first = server.greedy(model="extpol")[0]
+        assert _unload(server, {"lora_name": "extpol"}).status_code == 200
+        live["tree"] = jax_adapter(42)
+        with pytest.raises(AdapterUnloaded) as got:
+            sync.send(weight_version="ext-2")
+        text = str(got.value)
+        assert "adapter 'extpol' is not loaded on " in text, text
+        assert "/v1/unload_lora_adapter" in text and "call register()" in text, text
+        assert got.value.status == 400 and got.value.route == "update_weights"
+        assert "extpol" not in _served(server)
+        if engine.session.broken is not None:  # the round failed after its start
+            engine.shutdown()
+            engine = JAXTrainerEngine.trainer_init(INFO, client=client, source=source)
+            sync.engine = engine
+        sync.send(weight_version="ext-3")  # registered again, then replaced by the round
+        assert "extpol" in _served(server)
+        assert server.greedy(model="extpol")[0] != first
+    finally:
+        engine.shutdown()
+
+
 class _NoLoRA(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self._reply(b'{"object": "list", "data": []}', 200)

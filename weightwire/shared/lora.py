@@ -60,6 +60,13 @@ class LoRAName:
         return f"{PREFIX}{self.module}.lora_{self.ab}.weight"
 
 
+def not_registered(adapter: str) -> str:
+    """The words a worker's refusal of an adapter round begins with when it serves no adapter
+    ``adapter`` (never registered, or unloaded since): ``trainer.lora.AdapterSync`` reads them
+    in the round's error (a worker's error reaches the trainer as the server's message)."""
+    return f"adapter {adapter!r} is not registered"
+
+
 def check_adapter_name(name: object) -> str:
     if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
         raise ConfigError(

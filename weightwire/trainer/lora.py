@@ -27,11 +27,12 @@ import numpy as np
 from weightwire.backends import get_backend
 from weightwire.shared.client import named_servers
 from weightwire.shared.dtypes import wire_dtype
-from weightwire.shared.errors import ConfigError
+from weightwire.shared.errors import ConfigError, WeightSyncError
 from weightwire.shared.lora import (
     LoRASpec,
     check_adapter_name,
     check_lora_alpha,
+    not_registered,
     write_adapter_dir,
 )
 from weightwire.shared.meta import ParamMeta
@@ -46,6 +47,12 @@ MODELS_ROUTE = "/v1/models"
 class AdapterRefused(ConfigError):
     """A server cannot serve the adapter (LoRA off, rank too high, a module it does not
     wrap, an unreadable directory); nothing of a round was sent."""
+
+
+class AdapterUnloaded(WeightSyncError):
+    """A round's server no longer serves the adapter ``AdapterSync`` registered (unloaded since
+    from outside: ``/v1/unload_lora_adapter``, or a restart): its workers refused the round,
+    which committed nothing. The next ``send`` registers the adapter again (``register``)."""
 
 
 class AdapterSync:
@@ -133,12 +140,39 @@ class AdapterSync:
         return bool(missing)
 
     def send(self, weight_version: str | None = None) -> RoundMetrics:
-        """One adapter round (registering the adapter first if needed)."""
+        """One adapter round (registering the adapter first if needed). A server that no
+        longer serves the adapter (unloaded from outside since it was registered) refuses the
+        round: ``AdapterUnloaded``, and the next ``send`` registers it again (the registration
+        is asked of the servers only then: no request per round)."""
         if self.spec is None:
             self.register()
         else:
             self.current_spec()
-        return self.engine.send_weights(weight_version)
+        try:
+            return self.engine.send_weights(weight_version)
+        except WeightSyncError as exc:
+            if not_registered(self.adapter) not in exc.message:
+                raise
+            self.spec = None  # the next send asks the servers and loads it where missing
+            raise self._unloaded(exc) from exc
+
+    def _unloaded(self, exc: WeightSyncError) -> AdapterUnloaded:
+        then = "call register() (or send() again, which does it) to load it again from "
+        then += f"{self.adapter_dir}"
+        if getattr(self.engine.session, "broken", None) is not None:
+            then += (
+                "; the round failed after its start, so its engine needs shutdown() and "
+                "trainer_init() first (AdapterSync.engine = the new engine)"
+            )
+        return AdapterUnloaded(
+            exc.route,
+            exc.status,
+            f"adapter {self.adapter!r} is not loaded on {exc.server} any more: it was "
+            "unloaded since this AdapterSync registered it (POST /v1/unload_lora_adapter, or "
+            f"the server restarted), so its workers refused the round and nothing was "
+            f"committed; {then}. The server said: {exc.message}",
+            exc.server,
+        )
 
     # -- HTTP --------------------------------------------------------------------------------
 

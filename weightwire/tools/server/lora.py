@@ -21,7 +21,13 @@ from pathlib import Path
 import torch
 
 from weightwire.shared.errors import ConfigError
-from weightwire.shared.lora import PREFIX, LoRASpec, check_peft_numbers, wire_name
+from weightwire.shared.lora import (
+    PREFIX,
+    LoRASpec,
+    check_peft_numbers,
+    not_registered,
+    wire_name,
+)
 from weightwire.shared.meta import ParamMeta
 
 _CONFIG, _WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -116,7 +122,7 @@ class HFAdapters:
             known = self.served.get(spec.adapter)
         if known is None:
             raise ValueError(
-                f"adapter {spec.adapter!r} is not registered here: register it first "
+                f"{not_registered(spec.adapter)} here: register it first "
                 "(POST /v1/load_lora_adapter)"
             )
         why = known.spec.same_shape(spec)

@@ -38,9 +38,9 @@ def install_lora_routes(app: FastAPI, state: ServerState) -> None:
         body = await read_json(request)
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object with lora_name and lora_path")
-        name, path = body.get("lora_name"), body.get("lora_path")
+        path = body.get("lora_path")
         try:
-            check_adapter_name(name)
+            name = check_adapter_name(body.get("lora_name"))
         except ConfigError as exc:
             raise ApiError(400, str(exc), param="lora_name") from None
         if not isinstance(path, str) or not path:

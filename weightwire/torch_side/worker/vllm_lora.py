@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from weightwire.shared.lora import LoRASpec, wire_name
+from weightwire.shared.lora import LoRASpec, not_registered, wire_name
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class VllmAdapterHost:
             known = REGISTRY.by_name.get(spec.adapter)
         if known is None:
             raise ValueError(
-                f"adapter {spec.adapter!r} is not registered with this vLLM: register it first "
+                f"{not_registered(spec.adapter)} with this vLLM: register it first "
                 f"(POST /v1/load_lora_adapter, or --lora-modules {spec.adapter}=DIR; "
                 "weightwire's AdapterSync does it at its first send)"
             )
