@@ -159,7 +159,7 @@ def test_an_adapter_round_goes_in_one_request_where_its_data_path_hears_the_work
             sync.send()
             _check(server, trainer, base_tokens, "onepol", f"adapter round {r} in one request")
         # the second round: the adapter registered, replaced in memory by the one request
-        assert client.sent == [ONE_REQUEST.format(mode="abort", reset="true")], client.sent
+        assert client.sent == [ONE_REQUEST.format(pause="pause=abort", reset="true")], client.sent
         assert wire.rounds[-1] is True
     finally:
         engine.shutdown()
