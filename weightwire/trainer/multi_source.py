@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightwire.backends.base import Sent
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.framing import plan
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.served import ServedModelMismatch
@@ -67,6 +68,22 @@ from weightwire.trainer.sole_round import SoleRounds, sliced_round
 logger = logging.getLogger(__name__)
 
 __all__ = ["MultiSource", "RoundFailed"]
+
+_LATE_S = 0.001  # a follower's look for a verdict rank 0 posted when it gave up on the agreement
+
+
+def check_versions(versions: list[str | None]) -> None:
+    """Every rank that names the round's ``weight_version`` names rank 0's (``versions[0]``,
+    the one the servers commit); ``None``: the rank left it to rank 0. Refused on every rank
+    before any call: else a rank's ``send_weights("b")`` returned the metrics of a round the
+    servers committed as rank 0's ``"a"``."""
+    odd = [r for r, v in enumerate(versions) if r and v is not None and v != versions[0]]
+    if odd:
+        named = ", ".join(f"rank {r} {versions[r]!r}" for r in odd)
+        raise ConfigError(
+            f"trainer ranks disagree on the round's weight_version: rank 0 {versions[0]!r}, "
+            f"{named}; pass the same weight_version on every rank (or on rank 0 only)"
+        )
 
 
 @dataclass(frozen=True)
@@ -232,15 +249,25 @@ class MultiSource:
         clock = PhaseClock()
         with clock("metadata"):
             metas = s.source.metadata()
-            bplan = self._agree(
-                "round",
-                metas,
-                {},
-                None,
-                s.info.timeouts.http_s,
-                fits=not draft,
-                sliced=self._sliced(metas, draft),
-            ).plan
+            # rank 0 publishes the round's version, the others the one they asked for
+            asked = s.next_version(version) if self.rank == 0 else version
+            try:
+                agreed = self._agree(
+                    "round",
+                    metas,
+                    {"version": asked},
+                    None,
+                    s.info.timeouts.http_s,
+                    fits=not draft,
+                    sliced=self._sliced(metas, draft),
+                )
+            except GroupTimeout as exc:
+                self._gave_up(exc)
+                raise
+            check_versions([v.get("version") for v in agreed.values])
+            bplan = agreed.plan
+            if self.rank != 0 and (bplan.multi or self.slicing is not None):
+                self._refused_already()
         if self.rank == 0:
             self.ranks.round = bplan
             if not bplan.multi:
@@ -273,6 +300,29 @@ class MultiSource:
                 seconds=clock.seconds,
             )
         return self._follow(bplan, clock)
+
+    def _gave_up(self, exc: GroupTimeout) -> None:
+        """This rank stopped waiting for the round's agreement: the ranks are out of step
+        (a late one still posts this round's keys), so the engine is broken here; rank 0
+        also posts the round's verdict, so a rank that arrives late learns the round
+        failed at once instead of waiting out its own bound for rank 0's next step."""
+        self.ranks.break_(exc)
+        if self.rank == 0:
+            self.exchange.post(
+                "verdict", {"error": f"{type(exc).__name__}: {exc}", "version": None}
+            )
+
+    def _refused_already(self) -> None:
+        """A rank that agreed late: rank 0 may have given up on the agreement already (its
+        verdict is posted); its next wait on rank 0 (a turn's or a sliced round's "go",
+        the holdings' exchange) would otherwise last its whole bound."""
+        try:
+            verdict = self.exchange.get("verdict", 0, _LATE_S)
+        except GroupTimeout:
+            return  # the usual case: rank 0 is running the round
+        failure = RoundFailed(f"trainer rank 0 reported the round failed: {verdict['error']}")
+        self.ranks.break_(failure)
+        raise failure
 
     def _follow(self, bplan: BroadcastPlan, clock: PhaseClock) -> RoundMetrics:
         """A non-zero rank's part of a round: its own turn (if any), every other turn's

@@ -1,0 +1,155 @@
+"""Two trainer ranks (threads over one ``DictGroup``) sending tiny-llama to the reference
+server (two replicas, ``server_url``): what each rank learns when the ranks are out of step
+or disagree, and what the server then holds."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from weightwire.control import HTTPWeightSyncClient
+from weightwire.shared.errors import ConfigError, WeightwireError
+from weightwire.shared.timeouts import Timeouts
+from weightwire.testing.sources import DictSource
+from weightwire.trainer import TrainerInitInfo
+from weightwire.trainer.engine import EngineBroken
+from weightwire.trainer.group import DictGroup, GroupTimeout
+from weightwire.trainer.multi_base import RoundFailed
+
+pytest.importorskip("jax")
+
+Outcome = tuple[str, str, float]  # "ok" (the version) / the error's type, its text, seconds
+
+
+@pytest.fixture(scope="module")
+def checkpoint(server_url: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    from weightwire.tools.server.tiny import resolve_model
+
+    tensors: dict[str, np.ndarray] = {}
+    for f in sorted(Path(resolve_model("tiny-llama")).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+@pytest.fixture
+def client(server_url: str) -> Iterator[HTTPWeightSyncClient]:
+    c = HTTPWeightSyncClient(server_url)
+    yield c
+    c.close()
+
+
+def served(client: HTTPWeightSyncClient) -> tuple[Any, Any]:
+    """What the server holds: its replicas' checksums and its weight version."""
+    (checks,) = client.weight_checker("checksum")
+    (info,) = client.weight_info()
+    return checks["replica_checksums"], info.get("weight_version")
+
+
+def two_ranks(
+    url: str,
+    tensors: dict[str, np.ndarray],
+    rounds: Callable[[int, Any], list[Outcome]],
+    timeouts: Timeouts,
+) -> list[list[Outcome]]:
+    """``rounds(rank, engine)`` on ranks 0 and 1 (JAX engines, each holding every tensor:
+    rank 0 sends alone), each engine shut down after; every rank's outcomes."""
+    import jax.numpy as jnp
+
+    from weightwire.jax_side.dtypes import describe
+    from weightwire.jax_side.engine import JAXTrainerEngine
+
+    groups = DictGroup.make(2)
+    out: list[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        source = DictSource({k: jnp.asarray(v) * 1.5 for k, v in tensors.items()}, describe)
+        info = TrainerInitInfo(backend="weightwire_tcp", rank=r, timeouts=timeouts)
+        client = HTTPWeightSyncClient(url) if r == 0 else None
+        try:
+            engine = JAXTrainerEngine.trainer_init(
+                info, client=client, source=source, group=groups[r]
+            )
+            try:
+                out[r] = rounds(r, engine)
+            finally:
+                engine.shutdown()
+        except BaseException as exc:  # the test asserts on it
+            out[r] = exc
+        finally:
+            if client is not None:
+                client.close()
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank still waits"
+    for r in (0, 1):
+        assert isinstance(out[r], list), f"rank {r}: {out[r]!r}"
+    return out
+
+
+def attempt(engine: Any, version: str | None = None) -> Outcome:
+    started = time.monotonic()
+    try:
+        metrics = engine.send_weights(version)
+        return "ok", str(metrics.version), time.monotonic() - started
+    except WeightwireError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - started
+
+
+def test_ranks_naming_different_versions_are_refused_on_every_rank_before_any_call(
+    server_url: str, checkpoint: dict[str, np.ndarray], client: HTTPWeightSyncClient
+) -> None:
+    before = served(client)
+
+    def rounds(rank: int, engine: Any) -> list[Outcome]:
+        first = attempt(engine, "v-a" if rank == 0 else "v-b")
+        # the same version on both ranks, or on rank 0 only, then runs as usual
+        return [first, attempt(engine, "v-c"), attempt(engine, "v-d" if rank == 0 else None)]
+
+    timeouts = Timeouts(http_s=30, connect_s=20, warmup_s=20, transfer_s=20)
+    outcomes = two_ranks(server_url, checkpoint, rounds, timeouts)
+    for rank in (0, 1):
+        kind, text, _ = outcomes[rank][0]
+        assert kind == ConfigError.__name__, outcomes[rank]
+        assert "disagree on the round's weight_version: rank 0 'v-a', rank 1 'v-b'" in text
+        assert "pass the same weight_version on every rank" in text
+        assert [o[:2] for o in outcomes[rank][1:]] == [("ok", "v-c"), ("ok", "v-d")]
+    assert served(client)[1] == "v-d" and served(client)[0] != before[0]
+
+
+def test_a_rank_late_for_the_agreement_learns_at_once_that_rank_zero_gave_up(
+    server_url: str, checkpoint: dict[str, np.ndarray], client: HTTPWeightSyncClient
+) -> None:
+    timeouts = Timeouts(http_s=2, connect_s=20, warmup_s=20, transfer_s=10)
+    before = served(client)
+
+    def rounds(rank: int, engine: Any) -> list[Outcome]:
+        if rank == 1:
+            time.sleep(3.5)  # past rank 0's agreement bound (http_s)
+        return [attempt(engine), attempt(engine)]
+
+    zero, one = two_ranks(server_url, checkpoint, rounds, timeouts)
+    late = "trainer rank 1 did not publish 'round' within 2 s"
+    assert zero[0][0] == GroupTimeout.__name__ and late in zero[0][1]
+    # rank 1 arrives after rank 0 gave up: rank 0's verdict, at once (was: it waited its
+    # own verdict bound, http_s * 3 + transfer_s = 16 s, for a round rank 0 had dropped)
+    assert one[0][0] == RoundFailed.__name__, one
+    assert f"trainer rank 0 reported the round failed: GroupTimeout: {late}" in one[0][1]
+    assert one[0][2] < 1.0, one
+    # the ranks are out of step: both engines are broken, and say so at once (was: rank 0
+    # waited its agreement bound again for a rank that no longer follows)
+    for rank_outcomes in (zero, one):
+        assert rank_outcomes[1][0] == EngineBroken.__name__, rank_outcomes
+        assert rank_outcomes[1][2] < 1.0
+    assert served(client) == before
