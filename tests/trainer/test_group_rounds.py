@@ -58,9 +58,11 @@ def two_ranks(
     tensors: dict[str, np.ndarray],
     rounds: Callable[[int, Any], list[Outcome]],
     timeouts: Timeouts,
+    scale: float,
 ) -> list[list[Outcome]]:
-    """``rounds(rank, engine)`` on ranks 0 and 1 (JAX engines, each holding every tensor:
-    rank 0 sends alone), each engine shut down after; every rank's outcomes."""
+    """``rounds(rank, engine)`` on ranks 0 and 1 (JAX engines, each holding every tensor
+    times ``scale``, a test's own: rank 0 sends alone), each engine shut down after; every
+    rank's outcomes."""
     import jax.numpy as jnp
 
     from weightwire.jax_side.dtypes import describe
@@ -70,7 +72,7 @@ def two_ranks(
     out: list[Any] = [None, None]
 
     def rank(r: int) -> None:
-        source = DictSource({k: jnp.asarray(v) * 1.5 for k, v in tensors.items()}, describe)
+        source = DictSource({k: jnp.asarray(v) * scale for k, v in tensors.items()}, describe)
         info = TrainerInitInfo(backend="weightwire_tcp", rank=r, timeouts=timeouts)
         client = HTTPWeightSyncClient(url) if r == 0 else None
         try:
@@ -118,7 +120,7 @@ def test_ranks_naming_different_versions_are_refused_on_every_rank_before_any_ca
         return [first, attempt(engine, "v-c"), attempt(engine, "v-d" if rank == 0 else None)]
 
     timeouts = Timeouts(http_s=30, connect_s=20, warmup_s=20, transfer_s=20)
-    outcomes = two_ranks(server_url, checkpoint, rounds, timeouts)
+    outcomes = two_ranks(server_url, checkpoint, rounds, timeouts, 1.5)
     for rank in (0, 1):
         kind, text, _ = outcomes[rank][0]
         assert kind == ConfigError.__name__, outcomes[rank]
@@ -139,7 +141,7 @@ def test_a_rank_late_for_the_agreement_learns_at_once_that_rank_zero_gave_up(
             time.sleep(3.5)  # past rank 0's agreement bound (http_s)
         return [attempt(engine), attempt(engine)]
 
-    zero, one = two_ranks(server_url, checkpoint, rounds, timeouts)
+    zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 2.0)
     late = "trainer rank 1 did not publish 'round' within 2 s"
     assert zero[0][0] == GroupTimeout.__name__ and late in zero[0][1]
     # rank 1 arrives after rank 0 gave up: rank 0's verdict, at once (was: it waited its
@@ -153,3 +155,67 @@ def test_a_rank_late_for_the_agreement_learns_at_once_that_rank_zero_gave_up(
         assert rank_outcomes[1][0] == EngineBroken.__name__, rank_outcomes
         assert rank_outcomes[1][2] < 1.0
     assert served(client) == before
+
+
+def test_a_start_the_asleep_server_refused_keeps_every_rank_and_the_round_after_wake_commits(
+    server_url: str, checkpoint: dict[str, np.ndarray], client: HTTPWeightSyncClient
+) -> None:
+    timeouts = Timeouts(http_s=4, connect_s=20, warmup_s=20, transfer_s=10)
+    before = served(client)
+    both = threading.Barrier(2, timeout=60)
+
+    def rounds(rank: int, engine: Any) -> list[Outcome]:
+        if rank == 0:
+            client.sleep(1)
+        both.wait()
+        refused = attempt(engine)
+        both.wait()
+        if rank == 0:
+            client.wake_up()
+        both.wait()
+        return [refused, attempt(engine, "after-wake")]
+
+    try:
+        zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 2.5)
+    finally:
+        if any(client.is_sleeping()):
+            client.wake_up()
+    asleep = "start_weight_update refused: the server is asleep (/sleep level 1)"
+    assert zero[0][0] == "WeightSyncError" and asleep in zero[0][1], zero
+    assert one[0][0] == RoundFailed.__name__, one
+    assert "trainer rank 0 reported the round failed: WeightSyncError: " in one[0][1]
+    assert asleep in one[0][1]
+    # a refused start keeps rank 0's engine, as for a trainer of one rank, and rank 1
+    # follows its word (was: rank 1 broke its engine, so the next round left rank 0
+    # waiting out its agreement bound: GroupTimeout, and then both broken)
+    assert zero[1][:2] == ("ok", "after-wake") and one[1][:2] == ("ok", "after-wake")
+    assert zero[1][2] < 2.0
+    after = served(client)
+    assert after[1] == "after-wake" and after[0] != before[0]
+
+
+def test_a_refusal_on_rank_zero_before_the_round_driver_reaches_the_others_at_once(
+    server_url: str, checkpoint: dict[str, np.ndarray], client: HTTPWeightSyncClient
+) -> None:
+    timeouts = Timeouts(http_s=4, connect_s=20, warmup_s=20, transfer_s=10)
+    before = served(client)
+
+    def rounds(rank: int, engine: Any) -> list[Outcome]:
+        multi = engine._multi
+        if rank == 0:  # a refusal of rank 0's own plan (a stock receiver's, a sliced plan's)
+            sole = multi._sole_round
+
+            def refuse_once(*args: Any, **kwargs: Any) -> Any:
+                multi._sole_round = sole
+                raise ConfigError("rank 0's plan refused the round (before any call)")
+
+            multi._sole_round = refuse_once
+        return [attempt(engine), attempt(engine, "next")]
+
+    zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 3.0)
+    assert zero[0][0] == ConfigError.__name__, zero
+    # was: no verdict posted, rank 1 waited http_s * 3 + transfer_s (22 s) for it
+    assert one[0][0] == RoundFailed.__name__ and one[0][2] < 2.0, one
+    assert "rank 0's plan refused the round (before any call)" in one[0][1]
+    assert zero[1][:2] == ("ok", "next") and one[1][:2] == ("ok", "next"), (zero, one)
+    assert served(client)[1] == "next" and served(client)[0] != before[0]

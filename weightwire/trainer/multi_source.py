@@ -27,8 +27,13 @@ Every rank runs the same steps:
 
 Failure rules: every cross-rank wait is bounded (``GroupTimeout`` names the rank); a
 failed turn names its broadcaster (rank and ``src``) and that rank's own error when it
-reported one; any failure leaves the engine broken on every rank, like a failed
-single-sender round (a failed verification after a committed round does not).
+reported one; a failure leaves the engine broken on every rank exactly where it leaves
+rank 0's broken, as for a single-sender round (a start refused by its servers, a refusal
+before any call or a failed verification after a committed round do not), and always after
+several broadcasters' or a sliced round's failure (the other ranks' wires took part). The
+ranks name the same ``weight_version`` (or leave it to rank 0). A rank that gives up on a
+round's agreement is out of step: its engine is broken, and rank 0's verdict tells a late
+rank at once.
 ``weightwire_tcp`` and ``weightwire_nccl`` run several broadcasters (``check_receiver``);
 a single-broadcaster plan is the engine's own one-turn round, its verdict published.
 """
@@ -113,6 +118,7 @@ class MultiSource:
         # Sliced rounds from every process (``multi_sliced``): a star each, opened at init,
         # where the source names no broadcasters (no owners: rank 0 would send alone).
         self.slicing: SeveralSlicing | None = None
+        self._told = False  # rank 0: this round's verdict is posted
 
     # -- agreement ----------------------------------------------------------------------
 
@@ -270,11 +276,17 @@ class MultiSource:
                 self._refused_already()
         if self.rank == 0:
             self.ranks.round = bplan
-            if not bplan.multi:
-                return self._sole_round(metas, s.next_version(version), clock, draft, self)
-            metrics = lead_round(
-                s, Round(s.next_version(version), bplan, metas, self.wire, draft), clock, self
-            )
+            self._told = False
+            try:
+                if not bplan.multi:
+                    return self._sole_round(metas, s.next_version(version), clock, draft, self)
+                metrics = lead_round(
+                    s, Round(s.next_version(version), bplan, metas, self.wire, draft), clock, self
+                )
+            except BaseException as exc:
+                if not self._told:  # refused before the round driver ran (its plan, a check)
+                    self.failed(exc, committed=False)
+                raise
             logger.info("%s (%d broadcasters)", metrics.summary(), len(bplan.turns))
             return metrics
         if not bplan.multi:
@@ -320,9 +332,7 @@ class MultiSource:
             verdict = self.exchange.get("verdict", 0, _LATE_S)
         except GroupTimeout:
             return  # the usual case: rank 0 is running the round
-        failure = RoundFailed(f"trainer rank 0 reported the round failed: {verdict['error']}")
-        self.ranks.break_(failure)
-        raise failure
+        raise self._failure(verdict)
 
     def _follow(self, bplan: BroadcastPlan, clock: PhaseClock) -> RoundMetrics:
         """A non-zero rank's part of a round: its own turn (if any), every other turn's
@@ -364,23 +374,33 @@ class MultiSource:
             self.ranks.break_(exc)
             raise
         if verdict["error"]:
-            failure = RoundFailed(f"trainer rank 0 reported the round failed: {verdict['error']}")
-            if not verdict.get(
-                "committed"
-            ):  # a committed round whose check failed leaves the wire usable
-                self.ranks.break_(failure)
-            raise failure
+            raise self._failure(verdict)
         return verdict
+
+    def _failure(self, verdict: dict[str, Any]) -> RoundFailed:
+        """Rank 0's verdict of a failed round, as this rank's error."""
+        failure = RoundFailed(f"trainer rank 0 reported the round failed: {verdict['error']}")
+        # A committed round whose check failed leaves the wire usable; so does a round rank
+        # 0's engine survived (a refused start, a refusal before any call): broken here, this
+        # rank would leave rank 0 waiting out its agreement bound next round.
+        if not verdict.get("committed") and not verdict.get("kept"):
+            self.ranks.break_(failure)
+        return failure
 
     # -- rank 0: how the round ended (``round.RoundEnd``) ---------------------------------------
 
     def committed(self, version: str) -> None:
+        self._told = True
         self.exchange.post("verdict", {"error": None, "version": version})
 
     def failed(self, exc: BaseException, *, committed: bool) -> None:
+        self._told = True
         verdict: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}", "version": None}
         if self.slicing is not None:
+            sliced = self.slicing.in_flight
             self.slicing.release()  # the other senders may be waiting for their "go"
+            if sliced and not committed:  # every other process aborted its star
+                self.ranks.break_(exc)
         bplan = self.ranks.round
         if bplan is not None and bplan.multi:
             verdict["committed"] = committed
@@ -388,4 +408,6 @@ class MultiSource:
                 self.ranks.break_(exc)
             for turn in bplan.turns:  # release broadcasters still waiting for their turn
                 self.ranks.go(turn, False)
+        # the others keep their engines exactly when rank 0 keeps its own
+        verdict["kept"] = self.session.broken is None
         self.exchange.post("verdict", verdict)
