@@ -66,6 +66,13 @@ logger = logging.getLogger(__name__)
 __all__ = ["EngineBroken", "TrainerEngine"]
 
 
+def with_fp8(s: Session, metrics: RoundMetrics) -> RoundMetrics:
+    """``metrics`` with the FP8 part of the round (``RoundMetrics.fp8``) of an FP8 source."""
+    if isinstance(s.source, Fp8Source):
+        return dataclasses.replace(metrics, fp8=s.source.report())
+    return metrics
+
+
 class EngineBroken(RoundError, RuntimeError):
     """A previous round failed mid-transfer (communicator aborted): ``shutdown()``, then
     ``trainer_init()`` again. Also what a call of an engine that was shut down raises."""
@@ -316,7 +323,7 @@ class TrainerEngine(FrameworkHooks):
                 s.features.require(
                     "draft_route", "a draft round starts with /start_draft_weight_update"
                 )
-            return self._multi.send(weight_version, draft)
+            return with_fp8(s, self._multi.send(weight_version, draft))
         clock = PhaseClock()
         with clock("metadata"):
             metas = source.metadata()
@@ -340,8 +347,7 @@ class TrainerEngine(FrameworkHooks):
             metrics = self._sole_round(
                 metas, version, clock, draft, source=source, before_commit=before_commit
             )
-        if isinstance(s.source, Fp8Source):  # an overlapped round's snapshot read it too
-            metrics = dataclasses.replace(metrics, fp8=s.source.report())
+        metrics = with_fp8(s, metrics)  # an overlapped round's snapshot read it too
         logger.info("%s", metrics)  # formatted only when INFO is on
         return metrics
 

@@ -48,7 +48,7 @@ from weightwire.backends.base import Sent
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.framing import plan
 from weightwire.shared.meta import ParamMeta
-from weightwire.shared.served import ServedModelMismatch
+from weightwire.shared.served import ServedModel, ServedModelMismatch
 from weightwire.trainer.broadcast_plan import (
     BroadcastPlan,
     PlanError,
@@ -59,6 +59,7 @@ from weightwire.trainer.broadcast_plan import (
     digest,
     plan_broadcast,
 )
+from weightwire.trainer.fp8_source import Fp8Source
 from weightwire.trainer.gating import server_features
 from weightwire.trainer.group import GroupTimeout, TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
@@ -196,10 +197,30 @@ class MultiSource:
     # -- init ---------------------------------------------------------------------------
 
     def connect(self) -> None:
+        self._connect()
+        self._share_served()
+
+    def _share_served(self) -> None:
+        """Rank 0 heard the served model at its init (``open_wire``); an ``"auto"`` FP8
+        source on another rank takes its spec from it (was: refused on every rank, rank
+        0's included, its metadata asked before its init could tell it)."""
+        s = self.session
+        if self.rank == 0:
+            self.exchange.post("served", None if s.served is None else s.served.to_dict())
+            return
+        if isinstance(s.source, Fp8Source) and s.source.awaits_served:
+            told = self.exchange.get("served", 0, s.info.timeouts.http_s)
+            s.source.fit(None if told is None else ServedModel.from_dict(told, "rank 0's served"))
+
+    def _connect(self) -> None:
         s = self.session
         t = s.info.timeouts
         self.exchange.step()
-        metas = s.source.metadata()
+        # An FP8 source's pairs are its inner tensors quantized (the same owners): the init
+        # agrees on those, since an "auto" source learns its spec only from the init's reply
+        # (every round agrees on the pairs themselves).
+        src = s.source
+        metas = src.inner.metadata() if isinstance(src, Fp8Source) else src.metadata()
         extra: dict[str, Any] = {}
         error = None
         if self.rank == 0:
