@@ -219,3 +219,29 @@ def test_a_refusal_on_rank_zero_before_the_round_driver_reaches_the_others_at_on
     assert "rank 0's plan refused the round (before any call)" in one[0][1]
     assert zero[1][:2] == ("ok", "next") and one[1][:2] == ("ok", "next"), (zero, one)
     assert served(client)[1] == "next" and served(client)[0] != before[0]
+
+
+def test_a_rank_that_shut_down_fails_the_others_next_round_at_once(
+    server_url: str, checkpoint: dict[str, np.ndarray], client: HTTPWeightSyncClient
+) -> None:
+    timeouts = Timeouts(http_s=6, connect_s=20, warmup_s=20, transfer_s=10)
+    first = threading.Barrier(2, timeout=60)
+
+    def rounds(rank: int, engine: Any) -> list[Outcome]:
+        done = [attempt(engine, "both")]
+        first.wait()
+        if rank == 0:  # rank 1 shuts down (two_ranks' finally) instead of the next round
+            done.append(attempt(engine, "alone"))
+            done.append(attempt(engine, "again"))
+        return done
+
+    zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 3.5)
+    assert zero[0][:2] == ("ok", "both") and one[0][:2] == ("ok", "both")
+    # was: rank 0 waited out http_s for rank 1's agreement (GroupTimeout, 6 s here, 300 s
+    # by default), though rank 1 had said nothing more would come
+    kind, text, seconds = zero[1]
+    assert kind == RoundFailed.__name__ and seconds < 2.0, zero
+    assert "trainer rank 1 shut down its engine" in text
+    assert "call shutdown() and trainer_init() again on every rank" in text
+    assert zero[2][0] == EngineBroken.__name__ and zero[2][2] < 1.0, zero
+    assert served(client)[1] == "both"

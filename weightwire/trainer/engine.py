@@ -477,6 +477,8 @@ class TrainerEngine(FrameworkHooks):
         unseen = self._overlapped.stop(in_flight, timeout)
         self.session.failed_first.stopping()  # a running call's error from now on may be ours
         self._closed = True
+        if self._multi is not None and self._caller is None:  # between rounds: in step
+            self._multi.leave()
         told = False
         try:
             told = close_wire(self.session, displaced=self._displaced())

@@ -185,6 +185,14 @@ class MultiSource:
         values = self.exchange.allgather(
             name, {"digest": digest(metas), "error": error, **extra}, timeout
         )
+        gone = [v["left"] for v in values if v.get("left")]
+        if gone:
+            failure = RoundFailed(
+                f"{gone[0]}: the group's rounds need every rank; call shutdown() and "
+                "trainer_init() again on every rank"
+            )
+            self.ranks.break_(failure)
+            raise failure
         if unfit is not None:
             raise unfit
         for r, v in enumerate(values):
@@ -333,6 +341,17 @@ class MultiSource:
                 seconds=clock.seconds,
             )
         return self._follow(bplan, clock)
+
+    def leave(self) -> None:
+        """This rank's engine shuts down between rounds: it posts the next round's agreement
+        as its leaving, so another rank's next round fails at once naming it (was: it
+        waited out its agreement bound, ``http_s``, for a rank that was gone)."""
+        self.exchange.step()
+        left = f"trainer rank {self.rank} shut down its engine"
+        try:
+            self.exchange.post("round", {"digest": None, "error": None, "left": left})
+        except Exception as exc:  # a store already gone: the others' bound still holds
+            logger.debug("could not tell the group this rank left: %s", exc)
 
     def _gave_up(self, exc: GroupTimeout) -> None:
         """This rank stopped waiting for the round's agreement: the ranks are out of step
