@@ -245,3 +245,40 @@ def test_a_rank_that_shut_down_fails_the_others_next_round_at_once(
     assert "call shutdown() and trainer_init() again on every rank" in text
     assert zero[2][0] == EngineBroken.__name__ and zero[2][2] < 1.0, zero
     assert served(client)[1] == "both"
+
+
+def test_a_rank_whose_own_pass_failed_learns_the_round_rank_zero_committed(
+    server_url: str, checkpoint: dict[str, np.ndarray], client: HTTPWeightSyncClient
+) -> None:
+    timeouts = Timeouts(http_s=6, connect_s=20, warmup_s=20, transfer_s=10)
+    failures: list[BaseException] = []
+
+    def rounds(rank: int, engine: Any) -> list[Outcome]:
+        source = engine.session.source
+        if rank == 1:  # its getter raises mid-pass, once
+
+            class Failing(type(source)):  # type: ignore[misc]
+                def __iter__(self) -> Iterator[tuple[str, Any]]:
+                    yield next(iter(self.tensors.items()))
+                    source.__class__ = DictSource
+                    raise RuntimeError("rank 1's getter failed")
+
+            source.__class__ = Failing
+            try:
+                engine.send_weights("own-pass")
+            except RuntimeError as exc:
+                failures.append(exc)
+            return [attempt(engine, "next")]
+        return [attempt(engine, "own-pass"), attempt(engine, "next")]
+
+    zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 4.0)
+    assert zero[0][:2] == ("ok", "own-pass"), zero
+    (exc,) = failures
+    assert str(exc) == "rank 1's getter failed"
+    # was: no note: rank 1's call raised as if the round had failed, silent on the commit
+    assert getattr(exc, "__notes__", []) == [
+        "trainer rank 0 sent the round alone and the servers committed it as version "
+        "'own-pass': only this rank's own pass over its source failed"
+    ]
+    assert zero[1][:2] == ("ok", "next") and one[0][:2] == ("ok", "next")
+    assert served(client)[1] == "next"

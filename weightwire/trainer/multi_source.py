@@ -328,8 +328,12 @@ class MultiSource:
                     self.ranks.break_(exc)  # aborts this star: the workers fail the round now
                     raise
                 if sent is None:
-                    for _ in s.source:
-                        pass
+                    try:
+                        for _ in s.source:
+                            pass
+                    except BaseException as exc:
+                        self._note_outcome(exc)
+                        raise
             verdict = self._await_verdict(None)
             return RoundMetrics(
                 verdict["version"],
@@ -352,6 +356,25 @@ class MultiSource:
             self.exchange.post("round", {"digest": None, "error": None, "left": left})
         except Exception as exc:  # a store already gone: the others' bound still holds
             logger.debug("could not tell the group this rank left: %s", exc)
+
+    def _note_outcome(self, exc: BaseException) -> None:
+        """This rank's own pass over its source failed while rank 0 sends the round alone
+        (it reads nothing of this rank): the round's outcome, as a note on this rank's error
+        (was: raised at once, silent on a round the servers went on to commit)."""
+        t = self.session.info.timeouts
+        try:
+            verdict = self.exchange.get("verdict", 0, t.http_s * 3 + t.transfer_s)
+        except GroupTimeout as lost:
+            exc.add_note(f"the round's outcome is unknown: {lost}")
+            self.ranks.break_(lost)
+            return
+        if verdict["error"]:
+            exc.add_note(f"trainer rank 0 reported the round failed too: {verdict['error']}")
+            return
+        exc.add_note(
+            f"trainer rank 0 sent the round alone and the servers committed it as version "
+            f"{verdict['version']!r}: only this rank's own pass over its source failed"
+        )
 
     def _gave_up(self, exc: GroupTimeout) -> None:
         """This rank stopped waiting for the round's agreement: the ranks are out of step
