@@ -316,7 +316,12 @@ class TrainerEngine(FrameworkHooks):
         s = self.session
         self._refuse_closed()
         self._overlapped.settle()  # the rounds in flight land first: rounds never reorder
-        self._check_usable()
+        try:
+            self._check_usable()
+        except EngineBroken:
+            if self._multi is not None and not self._closed:  # (a shutdown told them)
+                self._multi.leave(f"has a broken engine ({type(s.broken).__name__}: {s.broken})")
+            raise
         if self._multi is not None:
             if draft and self.info.is_sender:
                 assert s.features is not None

@@ -346,12 +346,13 @@ class MultiSource:
             )
         return self._follow(bplan, clock)
 
-    def leave(self) -> None:
-        """This rank's engine shuts down between rounds: it posts the next round's agreement
-        as its leaving, so another rank's next round fails at once naming it (was: it
-        waited out its agreement bound, ``http_s``, for a rank that was gone)."""
+    def leave(self, why: str = "shut down its engine") -> None:
+        """This rank takes part in no more rounds (its engine shuts down between rounds, or
+        is broken): it posts the next round's agreement as its leaving, so another rank's
+        next round fails at once naming it (was: it waited out its agreement bound,
+        ``http_s``, for a rank that would never post)."""
         self.exchange.step()
-        left = f"trainer rank {self.rank} shut down its engine"
+        left = f"trainer rank {self.rank} {why}"
         try:
             self.exchange.post("round", {"digest": None, "error": None, "left": left})
         except Exception as exc:  # a store already gone: the others' bound still holds
