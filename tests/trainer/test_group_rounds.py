@@ -284,29 +284,54 @@ def test_a_rank_whose_own_pass_failed_learns_the_round_rank_zero_committed(
     assert served(client)[1] == "next"
 
 
-def test_a_rank_broken_by_its_own_timeout_fails_the_others_next_round_at_once(
+def test_a_rank_zero_later_than_the_others_bound_runs_no_round_they_reported_failed(
     server_url: str, checkpoint: dict[str, np.ndarray], client: HTTPWeightSyncClient
 ) -> None:
     timeouts = Timeouts(http_s=2, connect_s=20, warmup_s=20, transfer_s=10)
+    before = served(client)
     first = threading.Barrier(2, timeout=60)
 
     def rounds(rank: int, engine: Any) -> list[Outcome]:
         if rank == 0:
             time.sleep(3.5)  # past rank 1's agreement bound (http_s)
-        done = [attempt(engine)]
+        done = [attempt(engine, "late")]
         first.wait()
-        return [*done, attempt(engine, "second"), attempt(engine, "third")]
+        return [*done, attempt(engine, "second")]
 
     zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 4.5)
     assert one[0][0] == GroupTimeout.__name__, one
     assert "trainer rank 0 did not publish 'round' within 2 s" in one[0][1]
-    # rank 1's engine is broken (out of step): it refuses at once and says so to the group,
-    # so rank 0's next round fails at once naming it (was: rank 0 waited out http_s for a
-    # post that never came, GroupTimeout)
+    # was: rank 0 found rank 1's post, ran the round alone and the servers committed it,
+    # though rank 1 had raised for it
+    assert zero[0][0] == GroupTimeout.__name__ and zero[0][2] < 1.0, zero
+    assert "trainer rank 1 stopped waiting for this round's agreement before rank 0" in zero[0][1]
+    assert served(client) == before
+    # both out of step: broken, and each says so at once
+    assert zero[1][0] == EngineBroken.__name__ and one[1][0] == EngineBroken.__name__
+    assert zero[1][2] < 1.0 and one[1][2] < 1.0
+
+
+def test_a_broken_rank_fails_the_others_next_round_at_once(
+    server_url: str, checkpoint: dict[str, np.ndarray], client: HTTPWeightSyncClient
+) -> None:
+    timeouts = Timeouts(http_s=6, connect_s=20, warmup_s=20, transfer_s=10)
+    first = threading.Barrier(2, timeout=60)
+
+    def rounds(rank: int, engine: Any) -> list[Outcome]:
+        done = [attempt(engine, "whole")]
+        if rank == 1:  # whatever broke it (its own bound ran out on rank 0's verdict, ...)
+            engine.session.broken = GroupTimeout("rank 1's own wait ran out")
+        first.wait()
+        return [*done, attempt(engine, "second"), attempt(engine, "third")]
+
+    zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 5.0)
+    assert zero[0][:2] == ("ok", "whole") and one[0][:2] == ("ok", "whole")
+    # rank 1 refuses at once and says so to the group, so rank 0's next round fails at
+    # once naming it (was: rank 0 waited out http_s for a post that never came)
     assert one[1][0] == EngineBroken.__name__ and one[1][2] < 1.0, one
     kind, text, seconds = zero[1]
     assert kind == RoundFailed.__name__ and seconds < 1.0, zero
-    assert "trainer rank 1 has a broken engine (GroupTimeout: " in text
+    assert "trainer rank 1 has a broken engine (GroupTimeout: rank 1's own wait ran out)" in text
     assert "call shutdown() and trainer_init() again on every rank" in text
     assert zero[2][0] == EngineBroken.__name__ and one[2][0] == EngineBroken.__name__
-    assert served(client)[1] != "second"
+    assert served(client)[1] == "whole"

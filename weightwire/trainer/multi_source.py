@@ -41,6 +41,7 @@ a single-broadcaster plan is the engine's own one-turn round, its verdict publis
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["MultiSource", "RoundFailed"]
 
+_SKEW_S = 1.0  # how far two trainer hosts' clocks may be apart (seconds)
 _LATE_S = 0.001  # a follower's look for a verdict rank 0 posted when it gave up on the agreement
 
 
@@ -286,16 +288,19 @@ class MultiSource:
             metas = s.source.metadata()
             # rank 0 publishes the round's version, the others the one they asked for
             asked = s.next_version(version) if self.rank == 0 else version
+            bound = s.info.timeouts.http_s
             try:
                 agreed = self._agree(
                     "round",
                     metas,
-                    {"version": asked},
+                    {"version": asked, "at": time.time()},
                     None,
-                    s.info.timeouts.http_s,
+                    bound,
                     fits=not draft,
                     sliced=self._sliced(metas, draft),
                 )
+                if self.rank == 0:
+                    self._refuse_late(agreed.values, bound)
             except GroupTimeout as exc:
                 self._gave_up(exc)
                 raise
@@ -381,11 +386,33 @@ class MultiSource:
         """This rank stopped waiting for the round's agreement: the ranks are out of step
         (a late one still posts this round's keys), so the engine is broken here; rank 0
         also posts the round's verdict, so a rank that arrives late learns the round
-        failed at once instead of waiting out its own bound for rank 0's next step."""
+        failed at once instead of waiting out its own bound for rank 0's next step; another
+        rank posts that it gave up, for a rank 0 that arrives late (``_refuse_late``)."""
         self.ranks.break_(exc)
+        error = f"{type(exc).__name__}: {exc}"
         if self.rank == 0:
-            self.exchange.post(
-                "verdict", {"error": f"{type(exc).__name__}: {exc}", "version": None}
+            self.exchange.post("verdict", {"error": error, "version": None})
+        else:
+            self.exchange.post("gave_up", error)
+
+    def _refuse_late(self, values: list[dict[str, Any]], bound: float) -> None:
+        """Rank 0 joined the agreement so late that a rank may have given up on it (its post
+        is older than its bound, within the hosts' clock skew): that rank's word, waited for
+        at most until its bound surely ran out. One that gave up has raised, so the round
+        must not run (was: rank 0 ran it alone and the servers committed a round that rank
+        reported failed). A rank 0 in time reads nothing."""
+        skew = min(_SKEW_S, bound / 4)
+        for r, v in enumerate(values):
+            at = v.get("at")
+            if r == 0 or not isinstance(at, (int, float)) or time.time() < at + bound - skew:
+                continue
+            try:
+                why = self.exchange.get("gave_up", r, max(0.001, at + bound + skew - time.time()))
+            except GroupTimeout:
+                continue  # it read rank 0's post in time and follows the round
+            raise GroupTimeout(
+                f"trainer rank {r} stopped waiting for this round's agreement before rank 0 "
+                f"joined it ({why}); rank 0 came more than http_s ({bound:g} s) after it"
             )
 
     def _refused_already(self) -> None:
