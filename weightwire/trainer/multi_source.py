@@ -32,8 +32,10 @@ rank 0's broken, as for a single-sender round (a start refused by its servers, a
 before any call or a failed verification after a committed round do not), and always after
 several broadcasters' or a sliced round's failure (the other ranks' wires took part). The
 ranks name the same ``weight_version`` (or leave it to rank 0). A rank that gives up on a
-round's agreement is out of step: its engine is broken, and rank 0's verdict tells a late
-rank at once.
+round's agreement is out of step: its engine is broken, rank 0's verdict tells a late rank
+at once, and a rank 0 that comes after another gave up runs no round. A rank that shuts
+down, or whose engine is broken, posts the next agreement as its leaving: the others'
+next round fails at once naming it.
 ``weightwire_tcp`` and ``weightwire_nccl`` run several broadcasters (``check_receiver``);
 a single-broadcaster plan is the engine's own one-turn round, its verdict published.
 """
