@@ -335,3 +335,51 @@ def test_a_broken_rank_fails_the_others_next_round_at_once(
     assert "call shutdown() and trainer_init() again on every rank" in text
     assert zero[2][0] == EngineBroken.__name__ and one[2][0] == EngineBroken.__name__
     assert served(client)[1] == "whole"
+
+
+def test_ranks_disagreeing_on_a_dtype_are_told_which_tensor_on_every_rank(
+    server_url: str, checkpoint: dict[str, np.ndarray], client: HTTPWeightSyncClient
+) -> None:
+    import jax.numpy as jnp
+
+    timeouts = Timeouts(http_s=6, connect_s=20, warmup_s=20, transfer_s=10)
+    before = served(client)
+
+    def rounds(rank: int, engine: Any) -> list[Outcome]:
+        tensors = engine.session.source.tensors
+        if rank == 1:
+            tensors["lm_head.weight"] = tensors["lm_head.weight"].astype(jnp.bfloat16)
+        return [attempt(engine)]
+
+    zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 5.5)
+    for outcome in (zero[0], one[0]):
+        kind, text, _ = outcome
+        assert kind == "PlanError", outcome
+        # was: only the digests ("rank(s) [1] differ from rank 0 (digest ... vs ...)")
+        assert "rank 1: 'lm_head.weight' has dtype 'bfloat16' there, 'float32' on rank 0" in text
+    assert served(client) == before
+
+
+@pytest.mark.parametrize(
+    ("other", "said"),
+    [
+        ([("a", "float32", [2]), ("b", "float32", [3])], "'b' has shape [3] there, [2] on rank 0"),
+        ([("a", "float32", [2])], "1 tensors there, 2 on rank 0 (first one only on rank 0: 'b')"),
+        (
+            [("a", "float32", [2]), ("b", "float32", [2]), ("c", "int8", [1])],
+            "3 tensors there, 2 on rank 0 (first one only there: 'c')",
+        ),
+        ([("b", "float32", [2]), ("a", "float32", [2])], "tensor #0 is 'b' there, 'a' on rank 0"),
+    ],
+)
+def test_the_first_difference_names_the_tensor_and_what_differs(
+    other: list[tuple[str, str, list[int]]], said: str
+) -> None:
+    from weightwire.shared.meta import ParamMeta
+    from weightwire.trainer.broadcast_plan import first_difference
+
+    def listed(entries: list[tuple[str, str, list[int]]]) -> list[dict[str, Any]]:
+        return [ParamMeta(n, d, tuple(s)).to_dict() for n, d, s in entries]
+
+    zero = listed([("a", "float32", [2]), ("b", "float32", [2])])
+    assert first_difference(zero, listed(other)) == said

@@ -60,6 +60,7 @@ from weightwire.trainer.broadcast_plan import (
     check_holders,
     check_receiver,
     digest,
+    first_difference,
     plan_broadcast,
 )
 from weightwire.trainer.fp8_source import Fp8Source
@@ -202,7 +203,17 @@ class MultiSource:
         for r, v in enumerate(values):
             if v["error"] is not None:
                 raise PlanError(f"trainer rank {r}: {v['error']}")
-        check_agreement([v["digest"] for v in values])
+        digests = [v["digest"] for v in values]
+        differences: dict[int, str] | None = None
+        if any(d != digests[0] for d in digests):  # every rank sees it: they tell their lists
+            try:
+                told = self.exchange.allgather(
+                    f"{name}_metas", [m.to_dict() for m in metas], timeout
+                )
+                differences = {r: first_difference(told[0], t) for r, t in enumerate(told) if r}
+            except GroupTimeout:
+                pass  # the digests alone, then
+        check_agreement(digests, differences)
         assert bplan is not None
         return Agreement(bplan, values)
 
