@@ -68,6 +68,7 @@ def trainer(
     url: str,
     weights: dict[str, np.ndarray],
     spec: Any = "auto",
+    group: Any = None,
     **info_fields: Any,
 ) -> Any:
     from weightwire.control import HTTPWeightSyncClient
@@ -85,7 +86,7 @@ def trainer(
 
         arrays = {n: jnp.asarray(a) for n, a in weights.items()}
         source = jax_fp8(DictSource(arrays, describe), spec)
-        return JAXTrainerEngine.trainer_init(info, client=client, source=source)
+        return JAXTrainerEngine.trainer_init(info, client=client, source=source, group=group)
     import torch
 
     from weightwire.torch_side.sender.engine import TorchTrainerEngine
@@ -93,7 +94,7 @@ def trainer(
 
     tensors = {n: torch.from_numpy(a.copy()) for n, a in weights.items()}
     source = torch_fp8(Tensors(tensors), spec)
-    return TorchTrainerEngine.trainer_init(info, client=client, source=source)
+    return TorchTrainerEngine.trainer_init(info, client=client, source=source, group=group)
 
 
 def served(http: httpx.Client) -> dict[str, str]:
@@ -135,6 +136,54 @@ def test_a_round_lands_as_loading_the_same_fp8_checkpoint_from_disk(
     assert served(http) == loaded_from_disk(on_disk)
     reply = http.post("/v1/completions", json={"prompt": "The trainer", "max_tokens": 4})
     assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_auto_on_every_rank_of_a_trainer_group_takes_the_spec_rank_zero_heard(
+    server,
+    http: httpx.Client,
+    tiny_llama: str,
+    base_weights: dict[str, np.ndarray],
+    tmp_path: Path,
+    framework: str,
+) -> None:
+    """Only rank 0 hears the served model at its init (docs/fp8.md); the other ranks' "auto"
+    takes the spec rank 0 heard (was: refused on every rank, rank 0 included, its metadata
+    asked before its init could tell it the spec)."""
+    import threading
+
+    from weightwire.trainer.group import DictGroup
+
+    rng = np.random.default_rng(4 if framework == "jax" else 5)
+    new = {
+        n: (a + rng.standard_normal(a.shape).astype(np.float32) * 0.05).astype(np.float32)
+        for n, a in base_weights.items()
+    }
+    groups = DictGroup.make(2)
+    outcome: list[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        try:
+            engine = trainer(framework, server.url, new, group=groups[r], rank=r)
+            try:
+                outcome[r] = engine.send_weights()
+            finally:
+                engine.shutdown()
+        except BaseException as exc:  # asserted below
+            outcome[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    zero, one = outcome
+    assert not isinstance(zero, BaseException) and not isinstance(one, BaseException), outcome
+    assert zero.fp8 is not None and zero.fp8.weights == 14
+    assert one.tensors == zero.tensors  # the same round's metadata: the pairs, agreed
+    on_disk = write_fp8_checkpoint(tiny_llama, tmp_path / "new", new)
+    assert served(http) == loaded_from_disk(on_disk)
 
 
 def test_delta_rounds_patch_the_e4m3_bytes_that_changed(

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from weightwire import backends
 from weightwire.shared.errors import ConfigError
@@ -150,15 +151,39 @@ def digest(metas: Sequence[ParamMeta]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def check_agreement(digests: Sequence[str]) -> None:
-    """Rule 5: every rank's metadata digest equals rank 0's; else name the disagreeing ranks."""
+def check_agreement(digests: Sequence[str], differences: Mapping[int, str] | None = None) -> None:
+    """Rule 5: every rank's metadata digest equals rank 0's; else name the disagreeing ranks
+    and, where told (``first_difference`` per rank), what differs."""
     odd = [r for r, d in enumerate(digests) if d != digests[0]]
     if odd:
+        told = "".join(
+            f"; rank {r}: {differences[r]}" for r in odd if differences and r in differences
+        )
         raise PlanError(
             f"trainer ranks disagree on the metadata: rank(s) {odd} differ from rank 0 (digest "
-            f"{digests[0][:12]} vs {', '.join(digests[r][:12] for r in odd)}); every rank must "
-            "declare the same names, dtypes, shapes and owners in the same order"
+            f"{digests[0][:12]} vs {', '.join(digests[r][:12] for r in odd)}){told}; every rank "
+            "must declare the same names, dtypes, shapes and owners in the same order"
         )
+
+
+def first_difference(zero: Sequence[Mapping[str, Any]], other: Sequence[Mapping[str, Any]]) -> str:
+    """Where another rank's metadata (``ParamMeta.to_dict``s) first departs from rank 0's."""
+    for i, (a, b) in enumerate(zip(zero, other, strict=False)):
+        if a == b:
+            continue
+        if a.get("name") != b.get("name"):
+            return f"tensor #{i} is {b.get('name')!r} there, {a.get('name')!r} on rank 0"
+        fields = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        return f"{a.get('name')!r} has " + ", ".join(
+            f"{k} {b.get(k)!r} there, {a.get(k)!r} on rank 0" for k in fields
+        )
+    if len(other) != len(zero):
+        longer, where = (other, "there") if len(other) > len(zero) else (zero, "on rank 0")
+        extra = longer[min(len(zero), len(other))].get("name")
+        return (
+            f"{len(other)} tensors there, {len(zero)} on rank 0 (first one only {where}: {extra!r})"
+        )
+    return "the same tensors in another form"
 
 
 def _carriers() -> str:

@@ -72,6 +72,13 @@ logger = logging.getLogger(__name__)
 __all__ = ["EngineBroken", "TrainerEngine"]
 
 
+def with_fp8(s: Session, metrics: RoundMetrics) -> RoundMetrics:
+    """``metrics`` with the FP8 part of the round (``RoundMetrics.fp8``) of an FP8 source."""
+    if isinstance(s.source, Fp8Source):
+        return dataclasses.replace(metrics, fp8=s.source.report())
+    return metrics
+
+
 class EngineBroken(RoundError, RuntimeError):
     """A previous round failed mid-transfer (communicator aborted): ``shutdown()``, then
     ``trainer_init()`` again. Also what a call of an engine that was shut down raises."""
@@ -315,14 +322,19 @@ class TrainerEngine(FrameworkHooks):
         s = self.session
         self._refuse_closed()
         self._overlapped.settle()  # the rounds in flight land first: rounds never reorder
-        self._check_usable()
+        try:
+            self._check_usable()
+        except EngineBroken:
+            if self._multi is not None and not self._closed:  # (a shutdown told them)
+                self._multi.leave(f"has a broken engine ({type(s.broken).__name__}: {s.broken})")
+            raise
         if self._multi is not None:
             if draft and self.info.is_sender:
                 assert s.features is not None
                 s.features.require(
                     "draft_route", "a draft round starts with /start_draft_weight_update"
                 )
-            return self._multi.send(weight_version, draft)
+            return with_fp8(s, self._multi.send(weight_version, draft))
         clock = PhaseClock()
         with clock("metadata"):
             metas = source.metadata()
@@ -346,8 +358,7 @@ class TrainerEngine(FrameworkHooks):
             metrics = self._sole_round(
                 metas, version, clock, draft, source=source, before_commit=before_commit
             )
-        if isinstance(s.source, Fp8Source):  # an overlapped round's snapshot read it too
-            metrics = dataclasses.replace(metrics, fp8=s.source.report())
+        metrics = with_fp8(s, metrics)  # an overlapped round's snapshot read it too
         logger.info("%s", metrics)  # formatted only when INFO is on
         return metrics
 
@@ -477,6 +488,8 @@ class TrainerEngine(FrameworkHooks):
         unseen = self._overlapped.stop(in_flight, timeout)
         self.session.failed_first.stopping()  # a running call's error from now on may be ours
         self._closed = True
+        if self._multi is not None and self._caller is None:  # between rounds: in step
+            self._multi.leave()
         told = False
         try:
             told = close_wire(self.session, displaced=self._displaced())

@@ -88,8 +88,14 @@ class Fp8Source(WeightSource):
         if not self.auto:
             self._check(inner.metadata())
 
+    @property
+    def awaits_served(self) -> bool:
+        """``"auto"`` before ``fit``: no spec yet, so no metadata of its own (the inner
+        source's names are what it holds)."""
+        return self.auto and not self._resolved
+
     def __repr__(self) -> str:
-        what = "auto" if self.auto and not self._resolved else f"{len(self.spec)} weights"
+        what = "auto" if self.awaits_served else f"{len(self.spec)} weights"
         return f"Fp8Source({self.inner!r}, {what})"
 
     def over(self, inner: WeightSource) -> Fp8Source:
@@ -130,8 +136,9 @@ class Fp8Source(WeightSource):
         if not self._resolved:
             raise ConfigError(
                 "fp8_source(source, 'auto') learns its spec from the served model at "
-                "trainer_init, on the sending rank only: on other ranks (a TrainerGroup) pass "
-                "the spec explicitly (the served model's fp8 weights and scheme)"
+                "trainer_init (a TrainerGroup's other ranks: from rank 0's): give the source "
+                "to trainer_init before using it, or pass the spec explicitly (the served "
+                "model's fp8 weights and scheme)"
             )
         return self.spec
 
@@ -236,6 +243,8 @@ class Fp8Source(WeightSource):
         if held is None:
             return None
         out = set(held)
+        if self.awaits_served:  # a TrainerGroup's init agrees on the inner source's names
+            return out
         for name, scheme in self._spec().items():
             if name in held:
                 out.update(fp8_names(name, scheme))

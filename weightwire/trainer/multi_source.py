@@ -27,8 +27,15 @@ Every rank runs the same steps:
 
 Failure rules: every cross-rank wait is bounded (``GroupTimeout`` names the rank); a
 failed turn names its broadcaster (rank and ``src``) and that rank's own error when it
-reported one; any failure leaves the engine broken on every rank, like a failed
-single-sender round (a failed verification after a committed round does not).
+reported one; a failure leaves the engine broken on every rank exactly where it leaves
+rank 0's broken, as for a single-sender round (a start refused by its servers, a refusal
+before any call or a failed verification after a committed round do not), and always after
+several broadcasters' or a sliced round's failure (the other ranks' wires took part). The
+ranks name the same ``weight_version`` (or leave it to rank 0). A rank that gives up on a
+round's agreement is out of step: its engine is broken, rank 0's verdict tells a late rank
+at once, and a rank 0 that comes after another gave up runs no round. A rank that shuts
+down, or whose engine is broken, posts the next agreement as its leaving: the others'
+next round fails at once naming it.
 ``weightwire_tcp`` and ``weightwire_nccl`` run several broadcasters (``check_receiver``);
 a single-broadcaster plan is the engine's own one-turn round, its verdict published.
 """
@@ -36,13 +43,15 @@ a single-broadcaster plan is the engine's own one-turn round, its verdict publis
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from weightwire.backends.base import Sent
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.framing import plan
 from weightwire.shared.meta import ParamMeta
-from weightwire.shared.served import ServedModelMismatch
+from weightwire.shared.served import ServedModel, ServedModelMismatch
 from weightwire.trainer.broadcast_plan import (
     BroadcastPlan,
     PlanError,
@@ -51,8 +60,10 @@ from weightwire.trainer.broadcast_plan import (
     check_holders,
     check_receiver,
     digest,
+    first_difference,
     plan_broadcast,
 )
+from weightwire.trainer.fp8_source import Fp8Source
 from weightwire.trainer.gating import server_features
 from weightwire.trainer.group import GroupTimeout, TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
@@ -67,6 +78,23 @@ from weightwire.trainer.sole_round import SoleRounds, sliced_round
 logger = logging.getLogger(__name__)
 
 __all__ = ["MultiSource", "RoundFailed"]
+
+_SKEW_S = 1.0  # how far two trainer hosts' clocks may be apart (seconds)
+_LATE_S = 0.001  # a follower's look for a verdict rank 0 posted when it gave up on the agreement
+
+
+def check_versions(versions: list[str | None]) -> None:
+    """Every rank that names the round's ``weight_version`` names rank 0's (``versions[0]``,
+    the one the servers commit); ``None``: the rank left it to rank 0. Refused on every rank
+    before any call: else a rank's ``send_weights("b")`` returned the metrics of a round the
+    servers committed as rank 0's ``"a"``."""
+    odd = [r for r, v in enumerate(versions) if r and v is not None and v != versions[0]]
+    if odd:
+        named = ", ".join(f"rank {r} {versions[r]!r}" for r in odd)
+        raise ConfigError(
+            f"trainer ranks disagree on the round's weight_version: rank 0 {versions[0]!r}, "
+            f"{named}; pass the same weight_version on every rank (or on rank 0 only)"
+        )
 
 
 @dataclass(frozen=True)
@@ -96,6 +124,7 @@ class MultiSource:
         # Sliced rounds from every process (``multi_sliced``): a star each, opened at init,
         # where the source names no broadcasters (no owners: rank 0 would send alone).
         self.slicing: SeveralSlicing | None = None
+        self._told = False  # rank 0: this round's verdict is posted
 
     # -- agreement ----------------------------------------------------------------------
 
@@ -169,7 +198,15 @@ class MultiSource:
             {"digest": digest(metas), "error": error, "none": none_listed, **extra},
             timeout,
         )
-        listed_none = [r for r, v in enumerate(values) if v["none"]]
+        gone = [v["left"] for v in values if v.get("left")]
+        if gone:
+            failure = RoundFailed(
+                f"{gone[0]}: the group's rounds need every rank; call shutdown() and "
+                "trainer_init() again on every rank"
+            )
+            self.ranks.break_(failure)
+            raise failure
+        listed_none = [r for r, v in enumerate(values) if v.get("none")]
         if listed_none:
             refuse_no_tensors([], ranks=listed_none)
         if unfit is not None:
@@ -177,17 +214,47 @@ class MultiSource:
         for r, v in enumerate(values):
             if v["error"] is not None:
                 raise PlanError(f"trainer rank {r}: {v['error']}")
-        check_agreement([v["digest"] for v in values])
+        digests = [v["digest"] for v in values]
+        differences: dict[int, str] | None = None
+        if any(d != digests[0] for d in digests):  # every rank sees it: they tell their lists
+            try:
+                told = self.exchange.allgather(
+                    f"{name}_metas", [m.to_dict() for m in metas], timeout
+                )
+                differences = {r: first_difference(told[0], t) for r, t in enumerate(told) if r}
+            except GroupTimeout:
+                pass  # the digests alone, then
+        check_agreement(digests, differences)
         assert bplan is not None
         return Agreement(bplan, values)
 
     # -- init ---------------------------------------------------------------------------
 
     def connect(self) -> None:
+        self._connect()
+        self._share_served()
+
+    def _share_served(self) -> None:
+        """Rank 0 heard the served model at its init (``open_wire``); an ``"auto"`` FP8
+        source on another rank takes its spec from it (was: refused on every rank, rank
+        0's included, its metadata asked before its init could tell it)."""
+        s = self.session
+        if self.rank == 0:
+            self.exchange.post("served", None if s.served is None else s.served.to_dict())
+            return
+        if isinstance(s.source, Fp8Source) and s.source.awaits_served:
+            told = self.exchange.get("served", 0, s.info.timeouts.http_s)
+            s.source.fit(None if told is None else ServedModel.from_dict(told, "rank 0's served"))
+
+    def _connect(self) -> None:
         s = self.session
         t = s.info.timeouts
         self.exchange.step()
-        metas = s.source.metadata()
+        # An FP8 source's pairs are its inner tensors quantized (the same owners): the init
+        # agrees on those, since an "auto" source learns its spec only from the init's reply
+        # (every round agrees on the pairs themselves).
+        src = s.source
+        metas = src.inner.metadata() if isinstance(src, Fp8Source) else src.metadata()
         extra: dict[str, Any] = {}
         error = None
         if self.rank == 0:
@@ -243,23 +310,42 @@ class MultiSource:
         clock = PhaseClock()
         with clock("metadata"):
             metas = s.source.metadata()
-            bplan = self._agree(
-                "round",
-                metas,
-                {},
-                None,
-                s.info.timeouts.http_s,
-                fits=not draft,
-                sliced=bool(metas) and self._sliced(metas, draft),
-                tensors=True,
-            ).plan
+            # rank 0 publishes the round's version, the others the one they asked for
+            asked = s.next_version(version) if self.rank == 0 else version
+            bound = s.info.timeouts.http_s
+            try:
+                agreed = self._agree(
+                    "round",
+                    metas,
+                    {"version": asked, "at": time.time()},
+                    None,
+                    bound,
+                    fits=not draft,
+                    sliced=bool(metas) and self._sliced(metas, draft),
+                    tensors=True,
+                )
+                if self.rank == 0:
+                    self._refuse_late(agreed.values, bound)
+            except GroupTimeout as exc:
+                self._gave_up(exc)
+                raise
+            check_versions([v.get("version") for v in agreed.values])
+            bplan = agreed.plan
+            if self.rank != 0 and (bplan.multi or self.slicing is not None):
+                self._refused_already()
         if self.rank == 0:
             self.ranks.round = bplan
-            if not bplan.multi:
-                return self._sole_round(metas, s.next_version(version), clock, draft, self)
-            metrics = lead_round(
-                s, Round(s.next_version(version), bplan, metas, self.wire, draft), clock, self
-            )
+            self._told = False
+            try:
+                if not bplan.multi:
+                    return self._sole_round(metas, s.next_version(version), clock, draft, self)
+                metrics = lead_round(
+                    s, Round(s.next_version(version), bplan, metas, self.wire, draft), clock, self
+                )
+            except BaseException as exc:
+                if not self._told:  # refused before the round driver ran (its plan, a check)
+                    self.failed(exc, committed=False)
+                raise
             logger.info("%s (%d broadcasters)", metrics.summary(), len(bplan.turns))
             return metrics
         if not bplan.multi:
@@ -272,8 +358,12 @@ class MultiSource:
                     self.ranks.break_(exc)  # aborts this star: the workers fail the round now
                     raise
                 if sent is None:
-                    for _ in s.source:
-                        pass
+                    try:
+                        for _ in s.source:
+                            pass
+                    except BaseException as exc:
+                        self._note_outcome(exc)
+                        raise
             verdict = self._await_verdict(None)
             return RoundMetrics(
                 verdict["version"],
@@ -285,6 +375,80 @@ class MultiSource:
                 seconds=clock.seconds,
             )
         return self._follow(bplan, clock)
+
+    def leave(self, why: str = "shut down its engine") -> None:
+        """This rank takes part in no more rounds (its engine shuts down between rounds, or
+        is broken): it posts the next round's agreement as its leaving, so another rank's
+        next round fails at once naming it (was: it waited out its agreement bound,
+        ``http_s``, for a rank that would never post)."""
+        self.exchange.step()
+        left = f"trainer rank {self.rank} {why}"
+        try:
+            self.exchange.post("round", {"digest": None, "error": None, "left": left})
+        except Exception as exc:  # a store already gone: the others' bound still holds
+            logger.debug("could not tell the group this rank left: %s", exc)
+
+    def _note_outcome(self, exc: BaseException) -> None:
+        """This rank's own pass over its source failed while rank 0 sends the round alone
+        (it reads nothing of this rank): the round's outcome, as a note on this rank's error
+        (was: raised at once, silent on a round the servers went on to commit)."""
+        t = self.session.info.timeouts
+        try:
+            verdict = self.exchange.get("verdict", 0, t.http_s * 3 + t.transfer_s)
+        except GroupTimeout as lost:
+            exc.add_note(f"the round's outcome is unknown: {lost}")
+            self.ranks.break_(lost)
+            return
+        if verdict["error"]:
+            exc.add_note(f"trainer rank 0 reported the round failed too: {verdict['error']}")
+            return
+        exc.add_note(
+            f"trainer rank 0 sent the round alone and the servers committed it as version "
+            f"{verdict['version']!r}: only this rank's own pass over its source failed"
+        )
+
+    def _gave_up(self, exc: GroupTimeout) -> None:
+        """This rank stopped waiting for the round's agreement: the ranks are out of step
+        (a late one still posts this round's keys), so the engine is broken here; rank 0
+        also posts the round's verdict, so a rank that arrives late learns the round
+        failed at once instead of waiting out its own bound for rank 0's next step; another
+        rank posts that it gave up, for a rank 0 that arrives late (``_refuse_late``)."""
+        self.ranks.break_(exc)
+        error = f"{type(exc).__name__}: {exc}"
+        if self.rank == 0:
+            self.exchange.post("verdict", {"error": error, "version": None})
+        else:
+            self.exchange.post("gave_up", error)
+
+    def _refuse_late(self, values: list[dict[str, Any]], bound: float) -> None:
+        """Rank 0 joined the agreement so late that a rank may have given up on it (its post
+        is older than its bound, within the hosts' clock skew): that rank's word, waited for
+        at most until its bound surely ran out. One that gave up has raised, so the round
+        must not run (was: rank 0 ran it alone and the servers committed a round that rank
+        reported failed). A rank 0 in time reads nothing."""
+        skew = min(_SKEW_S, bound / 4)
+        for r, v in enumerate(values):
+            at = v.get("at")
+            if r == 0 or not isinstance(at, (int, float)) or time.time() < at + bound - skew:
+                continue
+            try:
+                why = self.exchange.get("gave_up", r, max(0.001, at + bound + skew - time.time()))
+            except GroupTimeout:
+                continue  # it read rank 0's post in time and follows the round
+            raise GroupTimeout(
+                f"trainer rank {r} stopped waiting for this round's agreement before rank 0 "
+                f"joined it ({why}); rank 0 came more than http_s ({bound:g} s) after it"
+            )
+
+    def _refused_already(self) -> None:
+        """A rank that agreed late: rank 0 may have given up on the agreement already (its
+        verdict is posted); its next wait on rank 0 (a turn's or a sliced round's "go",
+        the holdings' exchange) would otherwise last its whole bound."""
+        try:
+            verdict = self.exchange.get("verdict", 0, _LATE_S)
+        except GroupTimeout:
+            return  # the usual case: rank 0 is running the round
+        raise self._failure(verdict)
 
     def _follow(self, bplan: BroadcastPlan, clock: PhaseClock) -> RoundMetrics:
         """A non-zero rank's part of a round: its own turn (if any), every other turn's
@@ -326,23 +490,33 @@ class MultiSource:
             self.ranks.break_(exc)
             raise
         if verdict["error"]:
-            failure = RoundFailed(f"trainer rank 0 reported the round failed: {verdict['error']}")
-            if not verdict.get(
-                "committed"
-            ):  # a committed round whose check failed leaves the wire usable
-                self.ranks.break_(failure)
-            raise failure
+            raise self._failure(verdict)
         return verdict
+
+    def _failure(self, verdict: dict[str, Any]) -> RoundFailed:
+        """Rank 0's verdict of a failed round, as this rank's error."""
+        failure = RoundFailed(f"trainer rank 0 reported the round failed: {verdict['error']}")
+        # A committed round whose check failed leaves the wire usable; so does a round rank
+        # 0's engine survived (a refused start, a refusal before any call): broken here, this
+        # rank would leave rank 0 waiting out its agreement bound next round.
+        if not verdict.get("committed") and not verdict.get("kept"):
+            self.ranks.break_(failure)
+        return failure
 
     # -- rank 0: how the round ended (``round.RoundEnd``) ---------------------------------------
 
     def committed(self, version: str) -> None:
+        self._told = True
         self.exchange.post("verdict", {"error": None, "version": version})
 
     def failed(self, exc: BaseException, *, committed: bool) -> None:
+        self._told = True
         verdict: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}", "version": None}
         if self.slicing is not None:
+            sliced = self.slicing.in_flight
             self.slicing.release()  # the other senders may be waiting for their "go"
+            if sliced and not committed:  # every other process aborted its star
+                self.ranks.break_(exc)
         bplan = self.ranks.round
         if bplan is not None and bplan.multi:
             verdict["committed"] = committed
@@ -350,4 +524,6 @@ class MultiSource:
                 self.ranks.break_(exc)
             for turn in bplan.turns:  # release broadcasters still waiting for their turn
                 self.ranks.go(turn, False)
+        # the others keep their engines exactly when rank 0 keeps its own
+        verdict["kept"] = self.session.broken is None
         self.exchange.post("verdict", verdict)
