@@ -15,7 +15,7 @@ from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import StrictInfo
 from weightwire.shared.limits import LIMITS
-from weightwire.shared.meta import ParamMeta, validate_shape
+from weightwire.shared.meta import MetaRows, ParamMeta, validate_shape
 
 __all__ = ["UpdateInfo"]
 
@@ -143,6 +143,11 @@ class UpdateInfo(StrictInfo):
             ParamMeta(n, d, tuple(s))
             for n, d, s in zip(self.names, self.dtype_names, self.shapes, strict=True)
         ]
+
+    def meta_rows(self) -> MetaRows:
+        """``metas()`` as rows over this info's own lists: no object per tensor (a delta
+        round's listing, new each round, #49)."""
+        return MetaRows(self.names, self.dtype_names, self.shapes)
 
     @classmethod
     def from_metas(cls, metas: list[ParamMeta]) -> UpdateInfo:

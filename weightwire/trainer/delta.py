@@ -26,6 +26,7 @@ from typing import Any
 
 from weightwire.shared.delta import (
     FLAT_I32,
+    INDEX_DTYPE,
     INDEX_SUFFIX,
     MAX_PATCH_NUMEL,
     VALUES_SUFFIX,
@@ -34,7 +35,7 @@ from weightwire.shared.delta import (
 )
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.groups import batch_by_layer
-from weightwire.shared.meta import ParamMeta
+from weightwire.shared.meta import MetaRows, ParamMeta
 
 PATCH_INDEX_BYTES = 4
 """A patch's ``@index`` element (``int32``), beside each changed value."""
@@ -132,22 +133,40 @@ class DeltaRound:
     """One delta round, ready to send: the wire tensors in broadcast order and what they
     stand for."""
 
-    arrays: list[Any]
+    arrays: list[Any] = field(default_factory=list)
     """The wire tensors' arrays, ``metas``' order (a list beside it rather than a
     ``(name, array)`` pair each: a pair held for the whole round, per wire tensor, was
     objects the round's young collections promoted towards a full one, #49)."""
-    metas: list[ParamMeta]
-    entries: list[PatchEntry]
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    """The wire listing as three lists of atoms (``metas`` reads them): a ``ParamMeta`` per
+    wire tensor, new every round (its patch sizes change) and held through it, was objects
+    its young collections promoted towards a full one (#49)."""
+    entries: list[PatchEntry] = field(default_factory=list)
     """Each patch as its update-info entry (``Patch.to_entry``): tuples of atoms, untracked
     by the first collection that sees them, where a ``Patch`` each, held for the round, was
     objects its young collections promoted towards a full one (#49)."""
-    changed: int
+    changed: int = 0
     """Elements that differ from the base, over every tensor of the source."""
-    elements: int
-    dense_bytes: int
+    elements: int = 0
+    dense_bytes: int = 0
     """Bytes the round stands for: every tensor of the source, dense."""
     patched: dict[str, Any] = field(default_factory=dict)
     """Patched tensor name -> its full new bytes (the base), for ``verify``."""
+    metas: MetaRows = field(init=False)
+    """The wire tensors in broadcast order (over ``names`` / ``dtypes`` / ``shapes``: each
+    ``ParamMeta`` made as it is read)."""
+
+    def __post_init__(self) -> None:
+        self.metas = MetaRows(self.names, self.dtypes, self.shapes)
+
+    def add(self, meta: ParamMeta, array: Any) -> None:
+        """A tensor sent whole."""
+        self.names.append(meta.name)
+        self.dtypes.append(meta.dtype)
+        self.shapes.append(meta.shape)
+        self.arrays.append(array)
 
     @property
     def patches(self) -> list[Patch]:
@@ -157,7 +176,7 @@ class DeltaRound:
     @property
     def pairs(self) -> Iterator[tuple[str, Any]]:
         """``(wire name, array)`` in broadcast order, made as they are pulled."""
-        return zip((m.name for m in self.metas), self.arrays, strict=True)
+        return zip(self.names, self.arrays, strict=True)
 
     @property
     def density(self) -> float:
@@ -286,7 +305,7 @@ class DeltaTracker:
         base, one layer group at a time; the base ends up holding the new bytes. ``None``:
         the round must go dense (it is partial but has no tensor a patch can name)."""
         by_name = {m.name: m for m in metas}
-        out = DeltaRound([], [], [], 0, 0, 0)
+        out = DeltaRound()
         self.kernel.begin()
         try:
             self._compare(pairs, by_name, out)
@@ -351,8 +370,7 @@ class DeltaTracker:
         if count > limit:
             fresh = base if scan.updated else self.kernel.refresh(new, base)
             self.bases[meta.name] = fresh
-            out.arrays.append(fresh)
-            out.metas.append(meta)
+            out.add(meta, fresh)
             return
         got = self.kernel.extract(scan, i, new, base)
         self.bases[meta.name] = got.base
@@ -361,14 +379,14 @@ class DeltaTracker:
     def _patch(self, out: DeltaRound, meta: ParamMeta, got: Extracted, nnz: int) -> None:
         out.entries.append((meta.name, meta.dtype, meta.shape, nnz, FLAT_I32))
         out.arrays += (got.index, got.values)
-        out.metas += [
-            ParamMeta(meta.name + INDEX_SUFFIX, "int32", (nnz,)),
-            ParamMeta(meta.name + VALUES_SUFFIX, meta.dtype, (nnz,)),
-        ]
+        out.names += (meta.name + INDEX_SUFFIX, meta.name + VALUES_SUFFIX)
+        out.dtypes += (INDEX_DTYPE, meta.dtype)
+        shape = (nnz,)  # one tuple of atoms for both wire tensors
+        out.shapes += (shape, shape)
         out.patched[meta.name] = got.base
 
     def _first_patch(self, out: DeltaRound, metas: Sequence[ParamMeta]) -> bool:
-        sent = {m.name for m in out.metas}
+        sent = set(out.names)
         free = (m for m in metas if m.name not in sent and 0 < m.numel <= MAX_PATCH_NUMEL)
         meta = next(free, None)
         if meta is None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from weightwire.backends.base import RoundSender, Sent
-from weightwire.shared.meta import ParamMeta
+from weightwire.shared.meta import MetaRows, ParamMeta
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer.broadcast_plan import BroadcastPlan
 from weightwire.trainer.early import (
@@ -148,7 +148,7 @@ class Round:
     version: str
     plan: BroadcastPlan
     """Who sends which slice, in which order (one turn per broadcaster)."""
-    metas: list[ParamMeta]
+    metas: Sequence[ParamMeta]
     """The round's tensors as the caller asked them (the pause's size, the metrics)."""
     wire: Wire
     draft: bool = False
@@ -539,6 +539,12 @@ def _listing(metas: Sequence[ParamMeta]) -> dict[str, Any]:
     The shapes are the metas' own tuples (JSON writes them as lists): no object per tensor,
     where a list each was a delta round's hundreds of objects the young collections during
     the round promoted towards a full one (#49)."""
+    if isinstance(metas, MetaRows):  # a delta round's rows: read, no meta made
+        return {
+            "names": list(metas.names),
+            "dtype_names": list(metas.dtypes),
+            "shapes": list(metas.shapes),
+        }
     return {
         "names": [m.name for m in metas],
         "dtype_names": [m.dtype for m in metas],
@@ -572,7 +578,7 @@ def send_update(
     s: Session,
     t: Transmission,
     chunks: Iterator[Any],
-    metas: list[ParamMeta],
+    metas: Sequence[ParamMeta],
     *,
     sender: RoundSender | None = None,
 ) -> Sent:

@@ -14,7 +14,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -115,7 +115,7 @@ class Session:
     broken: BaseException | None = None
     """Set when a round failed mid-transfer: the engine refuses further rounds."""
     rounds: int = 0
-    sent: dict[SentKey, tuple[ParamMeta, ...]] = field(default_factory=dict)
+    sent: dict[SentKey, Sequence[ParamMeta]] = field(default_factory=dict)
     """Rank 0: what each broadcaster's slice is on the workers, until a round changes it."""
     guard: bool | None = None
     """Whether the servers run the round guard: asked at the first round applied in place,
@@ -126,7 +126,7 @@ class Session:
     served: ServedModel | None = None
     """The tensors the served model takes, as the servers told them at init (``None``: they
     told none, e.g. stock vLLM); every round is checked against it before its first byte."""
-    _sized: tuple[list[ParamMeta], int] | None = field(default=None, init=False)
+    _sized: tuple[Sequence[ParamMeta], int] | None = field(default=None, init=False)
     """The last round's tensor list and its bytes: a plan's rounds pass the same list."""
 
     def __repr__(self) -> str:  # the link and the client hold secrets: names only
@@ -154,7 +154,7 @@ class Session:
         self,
         source: WeightSource,
         pairs: Iterable[tuple[str, Any]],
-        metas: list[ParamMeta],
+        metas: Sequence[ParamMeta],
         digests: dict[str, str] | None,
     ) -> Iterator[tuple[str, Any]]:
         """``pairs`` (a pass over ``source``) checked against ``metas`` (unless ``source``
@@ -173,7 +173,7 @@ class Session:
         if self.served is not None:
             self.served.check_round(metas, partial=partial or self.info.partial)
 
-    def round_pause(self, metas: list[ParamMeta], *, keep: bool = True) -> RoundPause:
+    def round_pause(self, metas: Sequence[ParamMeta], *, keep: bool = True) -> RoundPause:
         """This round's pause (``gating.round_pause``; a round applied in place:
         refusing, no resume on failure). ``keep=False``: a list no later round passes (a
         delta round's): its byte count is not remembered, nor the list with it (#49)."""

@@ -525,7 +525,7 @@ class _ReceiverCore:
         spec = self.caches.model_spec()
         if spec is None or plan.spec_checked:
             return
-        metas: list[ParamMeta] = plan.metas
+        metas: Sequence[ParamMeta] = plan.metas
         if patches:  # each patched tensor as the model sees it, whole
             from weightwire.torch_side.worker.delta import logical_metas
 
@@ -616,7 +616,7 @@ class _ReceiverCore:
     def _sliced_step(
         self,
         model: Model,
-        metas: list[ParamMeta],
+        metas: Sequence[ParamMeta],
         progress: ReceiveProgress,
         share: PatchShare | None = None,
         splitter: PatchSplitter | None = None,
