@@ -126,7 +126,9 @@ class UpdateInfo(StrictInfo):
         )
         # Checked once here (a delta round's hundreds of entries cost the worker milliseconds
         # per pass, on the round's critical path); the fields are frozen, so it stays true.
-        object.__setattr__(self, "_patch_entries", tuple(p.to_entry() for p in patches))
+        # from a list (sized): a tuple grown from a generator is resized as it fills, which
+        # fails if anything (bench_gc_rounds --show's walks) holds it meanwhile
+        object.__setattr__(self, "_patch_entries", tuple([p.to_entry() for p in patches]))
         if self.shares is not None:
             _check_shares(self.shares, patches, sliced=self.sliced)
 

@@ -20,7 +20,7 @@ import math
 import secrets
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +122,18 @@ class DeltaKernel(ABC):
         array's base: its shards on this process, replicas each); ``None``: the tensor's."""
         return None
 
+    def unwrap(self, wire: Any) -> tuple[Any, Any]:
+        """An ``extract`` output as ``(array, window)``, what the round holds until it is
+        sent (``window``: atoms the collector does not track, or None); ``wrap`` makes the
+        output again as the tensor is pulled. A kernel whose outputs are views of a bigger
+        array (``jax_side.delta.Prefix``) keeps no record per wire tensor through the round
+        (#49). The default: the output itself."""
+        return wire, None
+
+    def wrap(self, array: Any, window: Any) -> Any:
+        """``unwrap``'s inverse."""
+        return array
+
     @abstractmethod
     def first(self, base: Any) -> Extracted:
         """A one-element patch writing ``base``'s element 0 as it is (a round in which
@@ -154,6 +166,10 @@ class DeltaRound:
     """Bytes the round stands for: every tensor of the source, dense."""
     patched: dict[str, Any] = field(default_factory=dict)
     """Patched tensor name -> its full new bytes (the base), for ``verify``."""
+    windows: list[Any] = field(default_factory=list)
+    """Per wire tensor, its window in ``arrays``' array (``DeltaKernel.unwrap``), or None."""
+    wrap: Callable[[Any, Any], Any] | None = None
+    """The kernel's ``wrap``, where some window is set: the wire tensor made as pulled."""
     metas: MetaRows = field(init=False)
     """The wire tensors in broadcast order (over ``names`` / ``dtypes`` / ``shapes``: each
     ``ParamMeta`` made as it is read)."""
@@ -167,6 +183,7 @@ class DeltaRound:
         self.dtypes.append(meta.dtype)
         self.shapes.append(meta.shape)
         self.arrays.append(array)
+        self.windows.append(None)
 
     @property
     def patches(self) -> list[Patch]:
@@ -176,7 +193,9 @@ class DeltaRound:
     @property
     def pairs(self) -> Iterator[tuple[str, Any]]:
         """``(wire name, array)`` in broadcast order, made as they are pulled."""
-        return zip(self.names, self.arrays, strict=True)
+        if self.wrap is None:
+            return zip(self.names, self.arrays, strict=True)
+        return zip(self.names, map(self.wrap, self.arrays, self.windows), strict=True)
 
     @property
     def density(self) -> float:
@@ -378,7 +397,13 @@ class DeltaTracker:
 
     def _patch(self, out: DeltaRound, meta: ParamMeta, got: Extracted, nnz: int) -> None:
         out.entries.append((meta.name, meta.dtype, meta.shape, nnz, FLAT_I32))
-        out.arrays += (got.index, got.values)
+        kernel = self.kernel
+        index, index_window = kernel.unwrap(got.index)
+        values, values_window = kernel.unwrap(got.values)
+        out.arrays += (index, values)
+        out.windows += (index_window, values_window)
+        if out.wrap is None and (index_window is not None or values_window is not None):
+            out.wrap = kernel.wrap
         out.names += (meta.name + INDEX_SUFFIX, meta.name + VALUES_SUFFIX)
         out.dtypes += (INDEX_DTYPE, meta.dtype)
         shape = (nnz,)  # one tuple of atoms for both wire tensors

@@ -228,13 +228,7 @@ class PatchSplitter:
         self.patches: list[StagedPatch] = []
 
     def split(self, chunks: Iterator[Pairs]) -> Iterator[Pairs]:
-        for pairs in chunks:
-            dense: Pairs = []
-            held: Pairs = []
-            for pair in pairs:  # the pair itself: a new tuple each was objects of the round
-                (held if pair[0] in self._by_wire else dense).append(pair)
-            for name, tensor in held:
-                self._parts[name] = tensor.clone() if dense else tensor
+        for dense in map(self._hold, chunks):  # the chunk's pairs go as it is split (#49)
             if not dense:
                 continue
             if self._observe is not None:
@@ -247,6 +241,16 @@ class PatchSplitter:
         ]
         check_indices(staged)
         self.patches = staged
+
+    def _hold(self, pairs: Pairs) -> Pairs:
+        """Holds the chunk's patch wire tensors; returns its dense pairs."""
+        dense: Pairs = []
+        held: Pairs = []
+        for pair in pairs:  # the pair itself: a new tuple each was objects of the round
+            (held if pair[0] in self._by_wire else dense).append(pair)
+        for name, tensor in held:
+            self._parts[name] = tensor.clone() if dense else tensor
+        return dense
 
 
 class PatchSink:
