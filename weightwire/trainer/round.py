@@ -524,8 +524,9 @@ def _payloads(s: Session, r: Round) -> tuple[list[dict[str, Any]], bool]:
     payloads, reused = [], True
     extra = dict(r.fields)
     for turn in r.plan.turns:
-        same = s.features.reuse_metadata and s.sent.get(SentKey(r.draft, turn.src)) == turn.metas
-        same &= not carries_patches(extra)  # a delta round's patches name their wire tensors
+        # a delta round's patches name their wire tensors: never the shorthand (nor compared)
+        same = not carries_patches(extra) and s.features.reuse_metadata
+        same = same and s.sent.get(SentKey(r.draft, turn.src)) == turn.metas
         reused &= same
         # One construction, one validation (a delta round lists hundreds of wire tensors);
         # the round's fields override, as they did replacing a built info's
