@@ -4,6 +4,7 @@ them is unchanged, and the numpy reference apply / extract agree."""
 from __future__ import annotations
 
 import base64
+import gc
 import json
 import pickle
 from typing import Any
@@ -58,6 +59,34 @@ def test_a_trainers_tuples_are_the_same_json_as_lists() -> None:
     assert json.dumps(UpdateInfo(**tuples).to_dict()) == json.dumps(body)
     assert UpdateInfo(**tuples).patch_list() == UpdateInfo.from_dict(body).patch_list()
     assert UpdateInfo.from_json(json.dumps(UpdateInfo(**tuples).to_dict())) == UpdateInfo(**body)
+
+
+def test_a_delta_updates_rows_read_as_its_metas_and_patches() -> None:
+    """A delta update's listing and patches as rows (``MetaRows``, ``PatchRows``, #49): read
+    as the ``ParamMeta`` / ``Patch`` lists they stand for (items, slices, equality, the
+    framing plan), while the update holds no record per wire tensor or patch: its rows are
+    the body's own lists and tuples of atoms, which a collection untracks."""
+    from weightwire.shared.delta import Patch
+    from weightwire.shared.framing import plan
+    from weightwire.shared.meta import MetaRows, ParamMeta
+
+    info = UpdateInfo.from_dict(delta())
+    rows, metas = info.meta_rows(), info.metas()
+    assert rows == metas and metas == rows and list(rows) == metas and len(rows) == 3
+    assert rows[1] == ParamMeta("w@index", "int32", (3,)) and rows[-1] == metas[-1]
+    assert rows[1:] == metas[1:] and isinstance(rows[1:], MetaRows)
+    assert rows != metas[:2] and rows != [*metas[:2], ParamMeta("w@values", "float32", (3,))]
+    assert plan(rows, packed=True, buffer_size_bytes=8) == plan(
+        metas, packed=True, buffer_size_bytes=8
+    )
+    assert rows.names is info.names and rows.shapes is info.shapes  # the body's own lists
+    patches = info.patch_list()
+    assert patches == [Patch("w", "bfloat16", (2, 8), 3)] and patches[0].numel == 16
+    gc.collect()  # untracks the entries' shapes, then (the next) the entries of atoms
+    gc.collect()
+    assert not any(gc.is_tracked(e) for e in patches.entries)
+    with pytest.raises(ValueError, match="2 names, 1 dtypes, 2 shapes"):
+        MetaRows(["a", "b"], ["int32"], [[1], [2]])
 
 
 def test_unset_fields_leave_the_body_unchanged() -> None:

@@ -171,25 +171,24 @@ def test_steady_rounds_leave_no_cycles_and_no_survivors(kind: str, worker: Loopb
         trainer.shutdown()
 
 
-PEAK_PER_TENSOR = {"trainer": 6, "worker": 11}
+PEAK_PER_TENSOR = {"trainer": 3.5, "worker": 7.0}
 """Objects a delta round may hold at its worst moment, per changed tensor (measured on this
-model, less ``PEAK_BASE``: ~5 on a torch trainer, ~10 on a JAX one, 6 to 10 on the worker,
-by the round: those with dense tensors beside the patches hold copies of the patches'). The
-trainer: its patch's two arrays and their two wire ``ParamMeta``, the ``Patch`` its update
-info is checked as, the source's own record of the tensor (``DictSource`` describes each
-round afresh). The worker: the update info's JSON entry and shape lists (its caller's, as
-parsed: four), the ``Patch`` and two wire ``ParamMeta`` it is checked and planned as, the
-received tensors, the ``StagedPatch`` (its plan's entries are tuples of atoms, untracked).
-Before #49's fixes a torch trainer held ~20 per changed tensor, a JAX trainer ~28 (the
-payload's lists, a ``Patch`` record and a pair per wire tensor for the whole round, and
-while its chunk was sent a memoryview, its managed buffer and a ``uint8`` tensor per wire
-tensor; on JAX, a single-device array and its sharding left by each host prefetch), the
-worker ~12 to ~15 (a named tuple per plan entry, another pair per held tensor, a flag tensor
-per patch checked): ~680, ~910 and ~510 (its first round) here, over these bounds."""
-PEAK_JAX_TRAINER = 6
-"""A JAX trainer's patch also holds its two ``Prefix`` windows, the kernel's outputs (index,
-values, the patched base: JAX arrays are immutable, so each round's base is a new one) and,
-as its chunk is sent, the host arrays' buffers."""
+model, less ``PEAK_BASE``: ~2.6 on a torch trainer, ~9.5 on a JAX one, 4.9 to 6.0 on the
+worker, by the round: those with dense tensors beside the patches hold copies of the
+patches'). The trainer: its patch's two arrays (the wire listing is rows of atoms,
+``MetaRows``: no ``ParamMeta`` per wire tensor). The worker: the update info's JSON entry and
+shape lists (its caller's, as parsed: four), the received tensors, the ``StagedPatch`` (its
+patch an entry of atoms; the plan's listing rows over the JSON's lists, its entries tuples
+of atoms). These bounds fail on the tree before the flat records (#49, 2026-12-06): a torch
+trainer held ~4.7 per changed tensor (its two wire ``ParamMeta`` each), the worker up to
+~7.9 (two wire ``ParamMeta`` and a ``Patch`` each): 301 and 398 here, over 265 and 370.
+Before the first #49 fixes a torch trainer held ~20 per changed tensor, a JAX trainer ~28,
+the worker ~12 to ~15."""
+PEAK_JAX_TRAINER = 7
+"""A JAX trainer's patch also holds its two ``Prefix`` windows while it is sent (made as
+pulled: ``DeltaKernel.wrap``), the kernel's outputs (index, values, the patched base: JAX
+arrays are immutable, so each round's base is a new one) and, as its chunk is sent, the host
+arrays' buffers (~9.5 per changed tensor in all, ~10.3 before the flat records)."""
 PEAK_BASE = 160
 """Round-wide objects on either side: threads' locks and events, the round's records."""
 

@@ -25,7 +25,7 @@ import numpy as np
 from weightwire.shared.communicator import Communicator
 from weightwire.shared.errors import ConfigError, TransferError
 from weightwire.shared.framing import Chunk
-from weightwire.shared.meta import ParamMeta
+from weightwire.shared.meta import MetaRows, ParamMeta
 from weightwire.shared.patches import SparsePatch
 from weightwire.shared.slices import Box
 from weightwire.shared.source import Describe
@@ -343,7 +343,8 @@ class WirePlan:
     A permutation only moves tensors inside their layer group.
     """
 
-    metas: list[ParamMeta]
+    metas: Sequence[ParamMeta]
+    """A ``list``, or a delta round's ``MetaRows``."""
     order: tuple[int, ...] | None = None
     update_info: dict[str, Any] | None = None
     """The update info a stock receiver takes for this round, written by the backend
@@ -485,7 +486,8 @@ class Backend(ABC):
     ) -> WirePlan:
         """The round's wire order; a stock receiver may reorder it or refuse it
         (``StockRefusal``)."""
-        return WirePlan(list(metas))
+        # rows stay rows (a delta round's listing: no ParamMeta per wire tensor, #49)
+        return WirePlan(metas if isinstance(metas, MetaRows) else list(metas))
 
     def plan_patches(
         self, patches: Sequence[SparsePatch], *, features: ServerFeatures, describe: Describe

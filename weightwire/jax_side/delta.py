@@ -273,6 +273,16 @@ class JaxDeltaKernel(DeltaKernel):
         flat = base.reshape(-1)
         return Extracted(jnp.zeros((1,), jnp.int32), flat[:1], base)
 
+    def unwrap(self, wire: Any) -> tuple[Any, Any]:
+        # the window as atoms (a numpy dtype is untracked): no Prefix held per wire tensor
+        # through the round, one made as the tensor is sent (#49)
+        if isinstance(wire, Prefix):
+            return wire.array, (wire.count, wire.offset, wire.dtype)
+        return wire, None
+
+    def wrap(self, array: Any, window: Any) -> Any:
+        return array if window is None else Prefix(array, *window)
+
     def held_bytes(self, base: Any) -> int | None:
         if shard_delta.is_sharded(base):
             return shard_delta.held_bytes(base)

@@ -15,9 +15,9 @@ numpy-only, like the rest of ``weightwire.shared``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -71,6 +71,44 @@ class Patch:
         tuple of ints, are untracked by the first collection that sees them, so the young
         collections during the round never promote them towards a full one (#49)."""
         return (self.name, self.dtype, self.shape, self.nnz, self.encoding)
+
+
+class PatchRows(Sequence[Patch]):
+    """A round's patches as their entries (``PatchEntry``: tuples of atoms, untracked by the
+    collector), each ``Patch`` made as it is read: a worker's delta update holds no record
+    per patch through the round (#49)."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, entries: Sequence[PatchEntry]) -> None:
+        self.entries = entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @overload
+    def __getitem__(self, i: int) -> Patch: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> PatchRows: ...
+
+    def __getitem__(self, i: int | slice) -> Patch | PatchRows:
+        if isinstance(i, slice):
+            return PatchRows(self.entries[i])
+        return Patch(*self.entries[i])
+
+    def __iter__(self) -> Iterator[Patch]:
+        return (Patch(*e) for e in self.entries)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (PatchRows, list, tuple)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PatchRows({list(self)!r})"
 
 
 def check_token(field: str, value: str | None) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.limits import LIMITS, bounded_repr
@@ -63,6 +64,17 @@ class ParamMeta:
                 )
             object.__setattr__(self, "owners", owners)
 
+    @classmethod
+    def trusted(cls, name: str, dtype: str, shape: Sequence[int]) -> ParamMeta:
+        """A meta of fields already checked (an ``UpdateInfo``'s listing, a checked tensor's
+        patch sizes): built without ``__post_init__``'s checks, as ``MetaRows`` reads them."""
+        meta = object.__new__(cls)
+        object.__setattr__(meta, "name", name)
+        object.__setattr__(meta, "dtype", dtype)
+        object.__setattr__(meta, "shape", tuple(shape))
+        object.__setattr__(meta, "owners", None)
+        return meta
+
     @property
     def itemsize(self) -> int:
         return wire_dtype(self.dtype).itemsize
@@ -108,6 +120,63 @@ class ParamMeta:
     @classmethod
     def from_json(cls, text: str | bytes) -> ParamMeta:
         return cls.from_dict(load_json(text, "ParamMeta"))
+
+
+class MetaRows(Sequence[ParamMeta]):
+    """A round's wire listing as three parallel sequences (names, wire dtypes, shapes), each
+    ``ParamMeta`` made as it is read (``ParamMeta.trusted``: the rows were checked already).
+
+    A delta round's listing is new every round (its patch sizes change): as one ``ParamMeta``
+    per wire tensor held through the round, they were objects its young collections promoted
+    towards a full one (#49). The rows are the update info's own lists (a worker's, as
+    parsed) or tuples of atoms (a trainer's), so the listing is one object, not one per
+    tensor; a reader that keeps a meta keeps only that one."""
+
+    __slots__ = ("names", "dtypes", "shapes")
+
+    def __init__(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+    ) -> None:
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(
+                f"MetaRows: {len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes"
+            )
+        self.names, self.dtypes, self.shapes = names, dtypes, shapes
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @overload
+    def __getitem__(self, i: int) -> ParamMeta: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> MetaRows: ...
+
+    def __getitem__(self, i: int | slice) -> ParamMeta | MetaRows:
+        if isinstance(i, slice):
+            return MetaRows(self.names[i], self.dtypes[i], self.shapes[i])
+        return ParamMeta.trusted(self.names[i], self.dtypes[i], self.shapes[i])
+
+    def __iter__(self) -> Iterator[ParamMeta]:
+        return map(ParamMeta.trusted, self.names, self.dtypes, self.shapes)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, MetaRows):
+            return (
+                list(self.names) == list(other.names)
+                and list(self.dtypes) == list(other.dtypes)
+                and [tuple(s) for s in self.shapes] == [tuple(s) for s in other.shapes]
+            )
+        if isinstance(other, (list, tuple)):
+            return len(other) == len(self) and all(
+                isinstance(m, ParamMeta) and m == mine for m, mine in zip(other, self, strict=True)
+            )
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"MetaRows({len(self)} tensors)"
 
 
 def load_json(text: object, ctx: str) -> object:

@@ -10,12 +10,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from weightwire.shared.delta import Patch, check_patches, check_token
+from weightwire.shared.delta import Patch, PatchEntry, PatchRows, check_patches, check_token
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.info import StrictInfo
 from weightwire.shared.limits import LIMITS
-from weightwire.shared.meta import ParamMeta, validate_shape
+from weightwire.shared.meta import MetaRows, ParamMeta, validate_shape
 
 __all__ = ["UpdateInfo"]
 
@@ -58,9 +58,10 @@ class UpdateInfo(StrictInfo):
     (flat indices into the whole checkpoint tensor, increasing), not ``[nnz]``; a worker
     checks it got exactly its share. Left out of the body when None."""
 
-    _patch_list: ClassVar[tuple[Patch, ...]] = ()
-    """The patches as ``__post_init__`` checked them (set per instance; not a field, so
-    never in the body)."""
+    _patch_entries: ClassVar[tuple[PatchEntry, ...]] = ()
+    """The patches as ``__post_init__`` checked them, as entries (tuples of atoms: no record
+    per patch held through the round, #49; set per instance; not a field, so never in the
+    body)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
@@ -125,14 +126,16 @@ class UpdateInfo(StrictInfo):
         )
         # Checked once here (a delta round's hundreds of entries cost the worker milliseconds
         # per pass, on the round's critical path); the fields are frozen, so it stays true.
-        object.__setattr__(self, "_patch_list", tuple(patches))
+        # from a list (sized): a tuple grown from a generator is resized as it fills, which
+        # fails if anything (bench_gc_rounds --show's walks) holds it meanwhile
+        object.__setattr__(self, "_patch_entries", tuple([p.to_entry() for p in patches]))
         if self.shares is not None:
             _check_shares(self.shares, patches, sliced=self.sliced)
 
-    def patch_list(self) -> list[Patch]:
+    def patch_list(self) -> PatchRows:
         """The round's patches, checked against its wire listing (``shared.delta``) when the
-        info was made."""
-        return list(self._patch_list)
+        info was made; each ``Patch`` made as it is read."""
+        return PatchRows(self._patch_entries)
 
     @property
     def reuses_previous(self) -> bool:
@@ -143,6 +146,11 @@ class UpdateInfo(StrictInfo):
             ParamMeta(n, d, tuple(s))
             for n, d, s in zip(self.names, self.dtype_names, self.shapes, strict=True)
         ]
+
+    def meta_rows(self) -> MetaRows:
+        """``metas()`` as rows over this info's own lists: no object per tensor (a delta
+        round's listing, new each round, #49)."""
+        return MetaRows(self.names, self.dtype_names, self.shapes)
 
     @classmethod
     def from_metas(cls, metas: list[ParamMeta]) -> UpdateInfo:

@@ -55,7 +55,8 @@ class Turn:
 
     rank: int
     src: int
-    metas: tuple[ParamMeta, ...]
+    metas: Sequence[ParamMeta]
+    """A tuple, or a delta round's ``MetaRows`` (``trainer.sole_round.sole_plan``)."""
 
 
 @dataclass(frozen=True)

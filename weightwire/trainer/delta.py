@@ -20,12 +20,13 @@ import math
 import secrets
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from weightwire.shared.delta import (
     FLAT_I32,
+    INDEX_DTYPE,
     INDEX_SUFFIX,
     MAX_PATCH_NUMEL,
     VALUES_SUFFIX,
@@ -34,7 +35,7 @@ from weightwire.shared.delta import (
 )
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.groups import batch_by_layer
-from weightwire.shared.meta import ParamMeta
+from weightwire.shared.meta import MetaRows, ParamMeta
 
 PATCH_INDEX_BYTES = 4
 """A patch's ``@index`` element (``int32``), beside each changed value."""
@@ -121,6 +122,18 @@ class DeltaKernel(ABC):
         array's base: its shards on this process, replicas each); ``None``: the tensor's."""
         return None
 
+    def unwrap(self, wire: Any) -> tuple[Any, Any]:
+        """An ``extract`` output as ``(array, window)``, what the round holds until it is
+        sent (``window``: atoms the collector does not track, or None); ``wrap`` makes the
+        output again as the tensor is pulled. A kernel whose outputs are views of a bigger
+        array (``jax_side.delta.Prefix``) keeps no record per wire tensor through the round
+        (#49). The default: the output itself."""
+        return wire, None
+
+    def wrap(self, array: Any, window: Any) -> Any:
+        """``unwrap``'s inverse."""
+        return array
+
     @abstractmethod
     def first(self, base: Any) -> Extracted:
         """A one-element patch writing ``base``'s element 0 as it is (a round in which
@@ -132,22 +145,45 @@ class DeltaRound:
     """One delta round, ready to send: the wire tensors in broadcast order and what they
     stand for."""
 
-    arrays: list[Any]
+    arrays: list[Any] = field(default_factory=list)
     """The wire tensors' arrays, ``metas``' order (a list beside it rather than a
     ``(name, array)`` pair each: a pair held for the whole round, per wire tensor, was
     objects the round's young collections promoted towards a full one, #49)."""
-    metas: list[ParamMeta]
-    entries: list[PatchEntry]
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    """The wire listing as three lists of atoms (``metas`` reads them): a ``ParamMeta`` per
+    wire tensor, new every round (its patch sizes change) and held through it, was objects
+    its young collections promoted towards a full one (#49)."""
+    entries: list[PatchEntry] = field(default_factory=list)
     """Each patch as its update-info entry (``Patch.to_entry``): tuples of atoms, untracked
     by the first collection that sees them, where a ``Patch`` each, held for the round, was
     objects its young collections promoted towards a full one (#49)."""
-    changed: int
+    changed: int = 0
     """Elements that differ from the base, over every tensor of the source."""
-    elements: int
-    dense_bytes: int
+    elements: int = 0
+    dense_bytes: int = 0
     """Bytes the round stands for: every tensor of the source, dense."""
     patched: dict[str, Any] = field(default_factory=dict)
     """Patched tensor name -> its full new bytes (the base), for ``verify``."""
+    windows: list[Any] = field(default_factory=list)
+    """Per wire tensor, its window in ``arrays``' array (``DeltaKernel.unwrap``), or None."""
+    wrap: Callable[[Any, Any], Any] | None = None
+    """The kernel's ``wrap``, where some window is set: the wire tensor made as pulled."""
+    metas: MetaRows = field(init=False)
+    """The wire tensors in broadcast order (over ``names`` / ``dtypes`` / ``shapes``: each
+    ``ParamMeta`` made as it is read)."""
+
+    def __post_init__(self) -> None:
+        self.metas = MetaRows(self.names, self.dtypes, self.shapes)
+
+    def add(self, meta: ParamMeta, array: Any) -> None:
+        """A tensor sent whole."""
+        self.names.append(meta.name)
+        self.dtypes.append(meta.dtype)
+        self.shapes.append(meta.shape)
+        self.arrays.append(array)
+        self.windows.append(None)
 
     @property
     def patches(self) -> list[Patch]:
@@ -157,7 +193,9 @@ class DeltaRound:
     @property
     def pairs(self) -> Iterator[tuple[str, Any]]:
         """``(wire name, array)`` in broadcast order, made as they are pulled."""
-        return zip((m.name for m in self.metas), self.arrays, strict=True)
+        if self.wrap is None:
+            return zip(self.names, self.arrays, strict=True)
+        return zip(self.names, map(self.wrap, self.arrays, self.windows), strict=True)
 
     @property
     def density(self) -> float:
@@ -286,7 +324,7 @@ class DeltaTracker:
         base, one layer group at a time; the base ends up holding the new bytes. ``None``:
         the round must go dense (it is partial but has no tensor a patch can name)."""
         by_name = {m.name: m for m in metas}
-        out = DeltaRound([], [], [], 0, 0, 0)
+        out = DeltaRound()
         self.kernel.begin()
         try:
             self._compare(pairs, by_name, out)
@@ -351,8 +389,7 @@ class DeltaTracker:
         if count > limit:
             fresh = base if scan.updated else self.kernel.refresh(new, base)
             self.bases[meta.name] = fresh
-            out.arrays.append(fresh)
-            out.metas.append(meta)
+            out.add(meta, fresh)
             return
         got = self.kernel.extract(scan, i, new, base)
         self.bases[meta.name] = got.base
@@ -360,15 +397,21 @@ class DeltaTracker:
 
     def _patch(self, out: DeltaRound, meta: ParamMeta, got: Extracted, nnz: int) -> None:
         out.entries.append((meta.name, meta.dtype, meta.shape, nnz, FLAT_I32))
-        out.arrays += (got.index, got.values)
-        out.metas += [
-            ParamMeta(meta.name + INDEX_SUFFIX, "int32", (nnz,)),
-            ParamMeta(meta.name + VALUES_SUFFIX, meta.dtype, (nnz,)),
-        ]
+        kernel = self.kernel
+        index, index_window = kernel.unwrap(got.index)
+        values, values_window = kernel.unwrap(got.values)
+        out.arrays += (index, values)
+        out.windows += (index_window, values_window)
+        if out.wrap is None and (index_window is not None or values_window is not None):
+            out.wrap = kernel.wrap
+        out.names += (meta.name + INDEX_SUFFIX, meta.name + VALUES_SUFFIX)
+        out.dtypes += (INDEX_DTYPE, meta.dtype)
+        shape = (nnz,)  # one tuple of atoms for both wire tensors
+        out.shapes += (shape, shape)
         out.patched[meta.name] = got.base
 
     def _first_patch(self, out: DeltaRound, metas: Sequence[ParamMeta]) -> bool:
-        sent = {m.name for m in out.metas}
+        sent = set(out.names)
         free = (m for m in metas if m.name not in sent and 0 < m.numel <= MAX_PATCH_NUMEL)
         meta = next(free, None)
         if meta is None:

@@ -57,7 +57,7 @@ class _WireSource(WeightSource):
         return iter(self._built.pairs)
 
     def checks_own_stream(self, metas: Sequence[ParamMeta]) -> bool:
-        return list(metas) == self._built.metas
+        return metas is self._built.metas or self._built.metas == metas
 
 
 class _Snapshotting(WeightSource):
@@ -156,6 +156,7 @@ class DeltaRounds:
         fields: dict[str, Any] = {"round_token": token}
         remap: Remap | None = None
         source: WeightSource
+        wire: Sequence[ParamMeta]
         if built is None:
             source, wire = _Snapshotting(ask.source, self.tracker, metas), metas
         else:

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from weightwire.backends.base import RoundSender, Sent
 from weightwire.shared.errors import WeightSyncError
-from weightwire.shared.meta import ParamMeta
+from weightwire.shared.meta import MetaRows, ParamMeta
 from weightwire.shared.routes import RESUME
 from weightwire.shared.update_info import UpdateInfo
 from weightwire.trainer.broadcast_plan import BroadcastPlan
@@ -147,7 +147,7 @@ class Round:
     version: str
     plan: BroadcastPlan
     """Who sends which slice, in which order (one turn per broadcaster)."""
-    metas: list[ParamMeta]
+    metas: Sequence[ParamMeta]
     """The round's tensors as the caller asked them (the pause's size, the metrics)."""
     wire: Wire
     draft: bool = False
@@ -574,8 +574,9 @@ def _payloads(s: Session, r: Round) -> tuple[list[dict[str, Any]], bool]:
     payloads, reused = [], True
     extra = dict(r.fields)
     for turn in r.plan.turns:
-        same = s.features.reuse_metadata and s.sent.get(SentKey(r.draft, turn.src)) == turn.metas
-        same &= not carries_patches(extra)  # a delta round's patches name their wire tensors
+        # a delta round's patches name their wire tensors: never the shorthand (nor compared)
+        same = not carries_patches(extra) and s.features.reuse_metadata
+        same = same and s.sent.get(SentKey(r.draft, turn.src)) == turn.metas
         reused &= same
         # One construction, one validation (a delta round lists hundreds of wire tensors);
         # the round's fields override, as they did replacing a built info's
@@ -589,6 +590,12 @@ def _listing(metas: Sequence[ParamMeta]) -> dict[str, Any]:
     The shapes are the metas' own tuples (JSON writes them as lists): no object per tensor,
     where a list each was a delta round's hundreds of objects the young collections during
     the round promoted towards a full one (#49)."""
+    if isinstance(metas, MetaRows):  # a delta round's rows: read, no meta made
+        return {
+            "names": list(metas.names),
+            "dtype_names": list(metas.dtypes),
+            "shapes": list(metas.shapes),
+        }
     return {
         "names": [m.name for m in metas],
         "dtype_names": [m.dtype for m in metas],
@@ -622,7 +629,7 @@ def send_update(
     s: Session,
     t: Transmission,
     chunks: Iterator[Any],
-    metas: list[ParamMeta],
+    metas: Sequence[ParamMeta],
     *,
     sender: RoundSender | None = None,
 ) -> Sent:

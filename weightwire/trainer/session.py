@@ -115,7 +115,7 @@ class Session:
     broken: BaseException | None = None
     """Set when a round failed mid-transfer: the engine refuses further rounds."""
     rounds: int = 0
-    sent: dict[SentKey, tuple[ParamMeta, ...]] = field(default_factory=dict)
+    sent: dict[SentKey, Sequence[ParamMeta]] = field(default_factory=dict)
     """Rank 0: what each broadcaster's slice is on the workers, until a round changes it."""
     guard: bool | None = None
     """Whether the servers run the round guard: asked at the first round applied in place,
@@ -129,7 +129,7 @@ class Session:
     failed_first: FailedFirst = field(default_factory=FailedFirst, init=False)
     """Whether the running call's round failed on its own before another thread's
     ``shutdown`` stopped it (the engine raises that error, not the stop)."""
-    _sized: tuple[list[ParamMeta], int] | None = field(default=None, init=False)
+    _sized: tuple[Sequence[ParamMeta], int] | None = field(default=None, init=False)
     """The last round's tensor list and its bytes: a plan's rounds pass the same list."""
 
     def __repr__(self) -> str:  # the link and the client hold secrets: names only
@@ -157,7 +157,7 @@ class Session:
         self,
         source: WeightSource,
         pairs: Iterable[tuple[str, Any]],
-        metas: list[ParamMeta],
+        metas: Sequence[ParamMeta],
         digests: dict[str, str] | None,
     ) -> Iterator[tuple[str, Any]]:
         """``pairs`` (a pass over ``source``) checked against ``metas`` (unless ``source``
@@ -176,7 +176,7 @@ class Session:
         if self.served is not None:
             self.served.check_round(metas, partial=partial or self.info.partial)
 
-    def round_pause(self, metas: list[ParamMeta], *, keep: bool = True) -> RoundPause:
+    def round_pause(self, metas: Sequence[ParamMeta], *, keep: bool = True) -> RoundPause:
         """This round's pause (``gating.round_pause``; a round applied in place:
         refusing, no resume on failure). ``keep=False``: a list no later round passes (a
         delta round's): its byte count is not remembered, nor the list with it (#49)."""

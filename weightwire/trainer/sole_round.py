@@ -10,14 +10,14 @@ whose workers told wants, ``trainer.sliced``; a delta round's patches shared by 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from weightwire.backends.base import Sent, SlicePiece, WirePlan
 from weightwire.shared.delta import Patch, parse_patch
 from weightwire.shared.framing import Chunk, plan
-from weightwire.shared.meta import ParamMeta
+from weightwire.shared.meta import MetaRows, ParamMeta
 from weightwire.shared.source import WeightSource
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
@@ -44,13 +44,14 @@ class SolePlan:
     """A single sender's round: its source metadata, its wire order and chunks, and the
     one-turn broadcast plan the driver runs."""
 
-    metas: list[ParamMeta]
+    metas: Sequence[ParamMeta]
+    """A ``list``, or a delta round's ``MetaRows`` (its listing, new every round)."""
     wire: WirePlan
     chunks: list[Chunk]
     bplan: BroadcastPlan
 
 
-def sole_plan(s: Session, metas: list[ParamMeta], last: SolePlan | None) -> SolePlan:
+def sole_plan(s: Session, metas: Sequence[ParamMeta], last: SolePlan | None) -> SolePlan:
     """The round's plan; the same metadata as last round reuses it (every round of a
     training run, in practice: the plan is on the critical path). A stock receiver's
     round is checked, maybe reordered or refused (``StockRefusal``), before any call."""
@@ -64,8 +65,10 @@ def sole_plan(s: Session, metas: list[ParamMeta], last: SolePlan | None) -> Sole
     if s.sender is not None:  # what this session's data path was opened for
         s.sender.check_round(wire.metas)
     chunks = plan(wire.metas, packed=s.info.packed, buffer_size_bytes=size)
-    bplan = BroadcastPlan((0,), (Turn(0, 0, tuple(wire.metas)),))
-    return SolePlan(list(metas), wire, chunks, bplan)
+    # Rows stay rows (a delta round's: no ParamMeta per wire tensor held through it, #49).
+    rows = isinstance(metas, MetaRows)
+    bplan = BroadcastPlan((0,), (Turn(0, 0, wire.metas if rows else tuple(wire.metas)),))
+    return SolePlan(metas if rows else list(metas), wire, chunks, bplan)
 
 
 class SoleRounds:
@@ -78,7 +81,7 @@ class SoleRounds:
 
     def __call__(
         self,
-        metas: list[ParamMeta],
+        metas: Sequence[ParamMeta],
         version: str,
         clock: PhaseClock,
         draft: bool,
@@ -326,7 +329,7 @@ class SlicedWire:
         return own
 
 
-def logical_metas(metas: list[ParamMeta], patches: list[Patch]) -> list[ParamMeta]:
+def logical_metas(metas: Sequence[ParamMeta], patches: list[Patch]) -> Sequence[ParamMeta]:
     """A round's tensors as the workers' wants name them: its dense tensors, then each
     patched tensor whole (a dense round: ``metas`` itself)."""
     if not patches:
@@ -337,7 +340,7 @@ def logical_metas(metas: list[ParamMeta], patches: list[Patch]) -> list[ParamMet
 
 
 def slices_round(
-    slicing: Slicing, wire_metas: list[ParamMeta], fields: Mapping[str, Any] | None
+    slicing: Slicing, wire_metas: Sequence[ParamMeta], fields: Mapping[str, Any] | None
 ) -> bool:
     """``slicing.slices`` of a round's tensors as the workers' wants name them (a delta
     round's patched tensors whole, read back from its update-info ``fields``). What it reads

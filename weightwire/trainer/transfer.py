@@ -205,13 +205,13 @@ class Transfer:
         self._update: Future | None = None
         self.broken: BaseException | None = None
 
-    def run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta]) -> Sent:
+    def run(self, prepared: Iterable[Prepared], wire_metas: Sequence[ParamMeta]) -> Sent:
         """Broadcast ``prepared``; returns ``(bytes, broadcasts)`` once the update POST answered.
         The control plane's threads get the GIL back quickly meanwhile (``handoff``)."""
         with quick_handoffs():
             return self._run(prepared, wire_metas)
 
-    def _run(self, prepared: Iterable[Prepared], wire_metas: list[ParamMeta]) -> Sent:
+    def _run(self, prepared: Iterable[Prepared], wire_metas: Sequence[ParamMeta]) -> Sent:
         pipeline, stop = self._pipeline, self._stop
         out = Outgoing(
             prepared,

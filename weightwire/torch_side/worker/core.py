@@ -404,7 +404,7 @@ class _ReceiverCore:
         splitter: PatchSplitter | None = None
         try:
             self._link.check_source(update.src)  # several broadcasters: this turn's sender
-            patches = update.patch_list() if update.patches else []  # a delta update's
+            patches: Sequence[Patch] = update.patch_list() if update.patches else []
             plan = self._resolve(model, update)
             # An adapter round checks the adapter's own metadata instead of the rest.
             share = self._share(update, patches) if update.sliced and patches else None
@@ -508,7 +508,9 @@ class _ReceiverCore:
         if update.delta_base is not None and update.delta_base != held:
             raise DeltaBaseMismatch(update.delta_base, held)
 
-    def _patch_step(self, model: Model, plan: RoundPlan, patches: list[Patch]) -> RoundDelta | None:
+    def _patch_step(
+        self, model: Model, plan: RoundPlan, patches: Sequence[Patch]
+    ) -> RoundDelta | None:
         """The round's delta part (its patches' sink), opened at the first update that carries
         patches, or at the first update of a session that declared delta rounds (its sink
         keeps what a later delta round patches: the host copy, the loader map); None: dense."""
@@ -519,13 +521,15 @@ class _ReceiverCore:
             round_.delta = self._sinks().open(model, plan.metas, patches, first=first)
         return round_.delta
 
-    def _check_spec(self, plan: RoundPlan, patches: list[Patch], delta: RoundDelta | None) -> None:
+    def _check_spec(
+        self, plan: RoundPlan, patches: Sequence[Patch], delta: RoundDelta | None
+    ) -> None:
         """The update against the served model's ``ModelSpec``: names, shapes, dtypes and
         whole layers (once per metadata, not per round)."""
         spec = self.caches.model_spec()
         if spec is None or plan.spec_checked:
             return
-        metas: list[ParamMeta] = plan.metas
+        metas: Sequence[ParamMeta] = plan.metas
         if patches:  # each patched tensor as the model sees it, whole
             from weightwire.torch_side.worker.delta import logical_metas
 
@@ -540,7 +544,7 @@ class _ReceiverCore:
         model: Model,
         update: UpdateInfo,
         plan: RoundPlan,
-        patches: list[Patch],
+        patches: Sequence[Patch],
         delta: RoundDelta | None,
     ) -> PatchSplitter | None:
         """Whether the round's sink can apply this update's patches on the held base; the
@@ -563,7 +567,7 @@ class _ReceiverCore:
             landing=self._round_landing,
         )
 
-    def _share(self, update: UpdateInfo, patches: list[Patch]) -> PatchShare:
+    def _share(self, update: UpdateInfo, patches: Sequence[Patch]) -> PatchShare:
         """A sliced delta update: this worker's share of its patches (``UpdateInfo.shares``,
         indexed by its place among the trainer's workers: its session rank - 1)."""
         from weightwire.torch_side.worker.sliced import PatchShare
@@ -616,7 +620,7 @@ class _ReceiverCore:
     def _sliced_step(
         self,
         model: Model,
-        metas: list[ParamMeta],
+        metas: Sequence[ParamMeta],
         progress: ReceiveProgress,
         share: PatchShare | None = None,
         splitter: PatchSplitter | None = None,

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from weightwire.shared.delta import INDEX_SUFFIX, VALUES_SUFFIX, Patch
+from weightwire.shared.delta import INDEX_SUFFIX, VALUES_SUFFIX, Patch, PatchEntry, PatchRows
 from weightwire.shared.errors import DeltaBaseMismatch
 from weightwire.shared.meta import ParamMeta
 from weightwire.torch_side.worker.load import Model, Pairs
@@ -40,17 +41,41 @@ from weightwire.torch_side.worker.load import Model, Pairs
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
 class StagedPatch:
-    """One received patch, held until finish: flat indices into ``patch.name`` and values."""
+    """One received patch, held until finish: flat indices into ``patch.name`` and values.
 
-    patch: Patch
-    index: torch.Tensor
-    values: torch.Tensor
+    The patch is kept as its entry (``PatchEntry``, a tuple of atoms the collector untracks),
+    ``patch`` made as it is read: a ``Patch`` record held per patch through the round was
+    objects its young collections promoted towards a full one (#49)."""
+
+    __slots__ = ("entry", "index", "values")
+
+    def __init__(
+        self, patch: Patch | PatchEntry, index: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        self.entry: PatchEntry = patch.to_entry() if isinstance(patch, Patch) else patch
+        self.index = index
+        self.values = values
+
+    @property
+    def patch(self) -> Patch:
+        return Patch(*self.entry)
 
     @property
     def name(self) -> str:
-        return self.patch.name
+        return self.entry[0]
+
+    @property
+    def numel(self) -> int:
+        """The patched tensor's elements."""
+        return math.prod(self.entry[2])
+
+    @property
+    def values_name(self) -> str:
+        return self.entry[0] + VALUES_SUFFIX
+
+    def __repr__(self) -> str:
+        return f"StagedPatch({self.name!r}, {self.index.numel()} elements)"
 
 
 def patch_tensor(base: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
@@ -74,10 +99,8 @@ def check_index(patch: StagedPatch) -> None:
     idx = patch.index
     if not idx.numel():
         return
-    if int(idx.min()) < 0 or int(idx.max()) >= patch.patch.numel:
-        raise ValueError(
-            f"patch of {patch.name!r}: an index is outside its {patch.patch.numel} elements"
-        )
+    if int(idx.min()) < 0 or int(idx.max()) >= patch.numel:
+        raise ValueError(f"patch of {patch.name!r}: an index is outside its {patch.numel} elements")
     falls = torch.nonzero(idx[1:] <= idx[:-1])
     if falls.numel():
         at = int(falls[0, 0]) + 1
@@ -106,7 +129,7 @@ def check_indices(patches: Sequence[StagedPatch], *, concat: bool | None = None)
         for p in group:
             idx = p.index
             low, high = torch.aminmax(idx)
-            flag = (low < 0) | (high >= p.patch.numel) | (idx[1:] <= idx[:-1]).any()
+            flag = (low < 0) | (high >= p.numel) | (idx[1:] <= idx[:-1]).any()
             # folded as it goes (no sync): a flag per patch held to the end was hundreds of
             # objects alive through the round's young collections (#49)
             bad = flag if bad is None else bad | flag
@@ -131,10 +154,7 @@ def _bad_concatenated(group: Sequence[StagedPatch], device: torch.device) -> tor
     ends = list(itertools.accumulate(counts))  # one past each patch's last index
     firsts = [e - c for e, c in zip(ends, counts, strict=True)]
     host = torch.tensor(
-        [p.patch.numel for p in group]
-        + firsts
-        + [e - 1 for e in ends]
-        + [f - 1 for f in firsts[1:]]
+        [p.numel for p in group] + firsts + [e - 1 for e in ends] + [f - 1 for f in firsts[1:]]
     )
     dev = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
     n = len(group)
@@ -193,33 +213,44 @@ class PatchSplitter:
     def __init__(
         self, patches: Sequence[Patch], *, observe: Callable[[Pairs], None] | None
     ) -> None:
-        self._by_wire: dict[str, Patch] = {}
-        for p in patches:
-            self._by_wire[p.index_name] = p
-            self._by_wire[p.values_name] = p
+        entries = patches.entries if isinstance(patches, PatchRows) else None
+        if entries is None:
+            entries = [p.to_entry() for p in patches]
+        self._entries: Sequence[PatchEntry] = entries
+        # wire name -> its patch's row: atoms only (a Patch per wire name, held through the
+        # round, was objects its young collections promoted, #49)
+        self._by_wire: dict[str, int] = {}
+        for i, e in enumerate(entries):
+            self._by_wire[e[0] + INDEX_SUFFIX] = i
+            self._by_wire[e[0] + VALUES_SUFFIX] = i
         self._observe = observe
         self._parts: dict[str, torch.Tensor] = {}
         self.patches: list[StagedPatch] = []
 
     def split(self, chunks: Iterator[Pairs]) -> Iterator[Pairs]:
-        for pairs in chunks:
-            dense: Pairs = []
-            held: Pairs = []
-            for pair in pairs:  # the pair itself: a new tuple each was objects of the round
-                (held if pair[0] in self._by_wire else dense).append(pair)
-            for name, tensor in held:
-                self._parts[name] = tensor.clone() if dense else tensor
+        for dense in map(self._hold, chunks):  # the chunk's pairs go as it is split (#49)
             if not dense:
                 continue
             if self._observe is not None:
                 self._observe(dense)
             yield dense
+        parts = self._parts
         staged = [
-            StagedPatch(p, self._parts[p.index_name], self._parts[p.values_name])
-            for p in {p.name: p for p in self._by_wire.values()}.values()
+            StagedPatch(e, parts[e[0] + INDEX_SUFFIX], parts[e[0] + VALUES_SUFFIX])
+            for e in {e[0]: e for e in self._entries}.values()
         ]
         check_indices(staged)
         self.patches = staged
+
+    def _hold(self, pairs: Pairs) -> Pairs:
+        """Holds the chunk's patch wire tensors; returns its dense pairs."""
+        dense: Pairs = []
+        held: Pairs = []
+        for pair in pairs:  # the pair itself: a new tuple each was objects of the round
+            (held if pair[0] in self._by_wire else dense).append(pair)
+        for name, tensor in held:
+            self._parts[name] = tensor.clone() if dense else tensor
+        return dense
 
 
 class PatchSink:
@@ -281,7 +312,7 @@ class RoundDelta:
             check_tied(self.patches, self.sink.aliases)
 
     def held_values(self) -> Pairs:
-        return [(p.patch.values_name, p.values) for p in self.patches]
+        return [(p.values_name, p.values) for p in self.patches]
 
     def finish(self, names: set[str], loaded: set[str]) -> Pairs:
         """At commit: the full tensors to load beside the round's ``loaded`` dense ones (the

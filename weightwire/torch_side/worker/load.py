@@ -112,7 +112,8 @@ class RoundPlan:
     check aborts the session, and a new session starts with an empty cache, so a plan
     that is reused was checked)."""
 
-    metas: list[ParamMeta]
+    metas: Sequence[ParamMeta]
+    """A ``list``, or a delta round's ``MetaRows`` (made as read)."""
     chunks: list[Chunk]
     unpack: list[UnpackPlan]  # one per chunk
     spec_checked: bool = False
@@ -179,7 +180,9 @@ class MetaCache:
             and _same(cached.update, update)
         ):
             return cached.plan  # the same metadata spelled out again: already checked and planned
-        metas = update.metas()
+        # A delta round's listing is new every round: rows over the update's own lists, not
+        # a ParamMeta per wire tensor held through the round (#49).
+        metas: Sequence[ParamMeta] = update.meta_rows() if update.patches else update.metas()
         chunks = plan(metas, packed=packed, buffer_size_bytes=buffer_size_bytes)
         resolved = RoundPlan(metas, chunks, [UnpackPlan(metas, c) for c in chunks])
         if not update.patches:  # a dense round's plan stays for the next dense round

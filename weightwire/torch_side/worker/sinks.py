@@ -116,7 +116,7 @@ class MapSink(PatchSink):
             target = self._target(p.name)
             # Indices were checked against the patch's shape on receipt (``PatchSplitter``):
             # in range of the target too when the two hold as many elements.
-            if math.prod(self.map.tensors[target].shape) == p.patch.numel:
+            if math.prod(self.map.tensors[target].shape) == p.numel:
                 checked.append((target, p.index, p.values))
             else:
                 self.map.patch(target, p.index, p.values)
