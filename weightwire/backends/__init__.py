@@ -94,7 +94,7 @@ def register(package: str) -> tuple[BackendSpec, ...]:
     specs = _specs_of(package)
     taken = [spec.name for spec in specs if spec.name in SPECS or spec.name in ALIASES]
     if taken:
-        raise ValueError(
+        raise _config_error(
             f"{package}.spec declares backend(s) already registered: {', '.join(taken)}"
         )
     for spec in specs:
@@ -108,11 +108,20 @@ def canonical(name: str) -> str:
     return ALIASES.get(name, name)
 
 
+def _config_error(message: str) -> Exception:
+    """A ``ConfigError`` (a ``ValueError``) saying ``message``; its module is imported on a
+    refusal only, so importing the registry pulls in the specs and nothing else."""
+    from weightwire.shared.errors import ConfigError
+
+    return ConfigError(message)
+
+
 def get(name: str) -> BackendSpec:
-    """The spec of ``name`` (aliases accepted); ``ValueError`` listing the known names otherwise."""
+    """The spec of ``name`` (aliases accepted); ``ConfigError`` (a ``ValueError``) listing the
+    known names otherwise."""
     spec = SPECS.get(canonical(name)) if isinstance(name, str) else None
     if spec is None:
-        raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
+        raise _config_error(f"unknown backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
     return spec
 
 
@@ -120,7 +129,7 @@ def load(path: str) -> Any:
     """Import ``"module:attr"`` and return the attribute (a class or function)."""
     module, sep, attr = path.partition(":")
     if not sep or not module or not attr:
-        raise ValueError(f"backend part path must be 'module:attr', got {path!r}")
+        raise _config_error(f"backend part path must be 'module:attr', got {path!r}")
     return getattr(importlib.import_module(module), attr)
 
 
@@ -132,10 +141,10 @@ def init_info_type(name: str) -> type[Any]:
 
 def worker_engine(name: str) -> type[Any]:
     """The standalone receiver of backend ``name`` (reference server, loopback, Ray replica);
-    ``ValueError`` for a wire only vLLM's own worker receives (``worker_engine`` is ``None``)."""
+    ``ConfigError`` for a wire only vLLM's own worker receives (``worker_engine`` is ``None``)."""
     spec = get(name)
     if spec.worker_engine is None:
-        raise ValueError(
+        raise _config_error(
             f"backend {spec.name!r} is received only by vLLM's own worker: nothing outside "
             f"vLLM (the reference server, the loopback receiver) receives it"
         )
@@ -150,7 +159,7 @@ def spec_of_init_info(info_type: type) -> BackendSpec:
         if spec.init_info == path:
             return spec
     known = ", ".join(BACKEND_NAMES)
-    raise ValueError(f"{info_type.__name__} is no backend's init info; known: {known}")
+    raise _config_error(f"{info_type.__name__} is no backend's init info; known: {known}")
 
 
 def spec_of_engine(engine: type) -> BackendSpec | None:
@@ -176,18 +185,19 @@ def register_backend(backend: Backend, *, replace: bool = False) -> None:
     """Add a ``Backend`` object under its name (tests register fakes; users may add their own
     transports without a package)."""
     if backend.name in backend_names() and not replace:
-        raise ValueError(f"backend {backend.name!r} is already registered")
+        raise _config_error(f"backend {backend.name!r} is already registered")
     _ADDED[backend.name] = backend
 
 
 def unregister_backend(name: str) -> None:
     if name in SPECS:
-        raise ValueError(f"built-in backend {name!r} cannot be removed")
+        raise _config_error(f"built-in backend {name!r} cannot be removed")
     _ADDED.pop(name, None)
 
 
 def get_backend(name: str) -> Backend:
-    """Rank 0's ``Backend`` called ``name``; ``ValueError`` listing the known names otherwise."""
+    """Rank 0's ``Backend`` called ``name``; ``ConfigError`` (a ``ValueError``) listing the
+    known names otherwise."""
     added = _ADDED.get(name)
     if added is not None:
         return added
@@ -195,7 +205,7 @@ def get_backend(name: str) -> Backend:
     if backend is None:
         spec = SPECS.get(name)
         if spec is None:
-            raise ValueError(f"unknown backend {name!r}; known: {', '.join(backend_names())}")
+            raise _config_error(f"unknown backend {name!r}; known: {', '.join(backend_names())}")
         backend = load(spec.trainer)()
         if backend.name != name:  # the spec and the class disagree: fail loudly, not on the wire
             raise RuntimeError(

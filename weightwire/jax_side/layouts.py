@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from weightwire.jax_side.naming import Naming
 from weightwire.jax_side.preset_layers import MOE_STYLES
 from weightwire.jax_side.presets import DECODER_FAMILIES, family_options, preset
+from weightwire.shared.errors import ConfigError
 
 # What sets the families apart is read from the presets' table (``presets.family_options``),
 # so a layout cannot disagree with the preset that maps it.
@@ -42,7 +43,7 @@ def preset_layout(
     """``{"params": ...}`` of ShapeDtypeStructs in the layout ``preset_for_hf(family, hf,
     **layout)`` maps; the layout switches are the preset options of the same names."""
     if family not in LAYOUT_FAMILIES:
-        raise ValueError(f"no layout for family {family!r}; known: {', '.join(LAYOUT_FAMILIES)}")
+        raise ConfigError(f"no layout for family {family!r}; known: {', '.join(LAYOUT_FAMILIES)}")
     opts = family_options(family)
     d, v, n = hf["hidden_size"], hf["vocab_size"], hf["num_hidden_layers"]
     h, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]

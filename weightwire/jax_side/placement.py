@@ -12,6 +12,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from weightwire.shared.errors import ConfigError
+
 __all__ = ["Target", "device_ids", "replicated"]
 
 
@@ -49,7 +51,7 @@ class Target:
             if not x.is_fully_replicated:
                 where = replicated(x.sharding)
                 if where is None:
-                    raise ValueError(
+                    raise ConfigError(
                         f"cannot gather an array with sharding {x.sharding} on device; "
                         "use NamedSharding or a single device"
                     )

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from weightwire.jax_side.dtypes import wire_name
+from weightwire.shared.errors import WrongType
 from weightwire.shared.quant import (
     BLOCK_AMAX_FLOOR,
     FP8_MAX,
@@ -183,7 +184,7 @@ def launch_fp8(items: Sequence[tuple[str, jax.Array, Fp8Scheme]], stats: bool) -
     for name, x, scheme in items:
         check_input(name, wire_name(x.dtype), tuple(x.shape), scheme)
         if not isinstance(scheme, Fp8Block | Fp8PerTensor):
-            raise TypeError(f"not an FP8 scheme: {scheme!r}")
+            raise WrongType(f"not an FP8 scheme: {scheme!r}")
     names = [name for name, _, _ in items]
     xs = tuple(x for _, x, _ in items)
     schemes = tuple(scheme for _, _, scheme in items)

@@ -117,7 +117,7 @@ class PytreeSource(WeightSource):
             device = devices[0]
         elif isinstance(device, int):
             if not 0 <= device < len(devices):
-                raise ValueError(
+                raise ConfigError(
                     f"device index {device} out of range: {len(devices)} local devices"
                 )
             device = devices[device]

@@ -65,7 +65,7 @@ class MergeAxes(Op):
     def __call__(self, x: jax.Array) -> jax.Array:
         first, last = self.first % x.ndim, self.last % x.ndim
         if last < first:
-            raise ValueError(
+            raise NamingError(
                 f"MergeAxes({self.first}, {self.last}) on rank {x.ndim}: last axis precedes first"
             )
         merged = 1

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 from numpy.typing import DTypeLike
 
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.limits import bounded_repr
 
 
@@ -61,7 +62,7 @@ SUPPORTED_DTYPES: tuple[str, ...] = tuple(WIRE_DTYPES)
 def wire_dtype(name: object) -> WireDType:
     """Look up a wire dtype by name; unknown names raise naming the supported set."""
     if not isinstance(name, str) or name not in WIRE_DTYPES:
-        raise ValueError(
+        raise ConfigError(
             f"unsupported dtype {bounded_repr(name)}; "
             f"supported wire dtypes: {', '.join(SUPPORTED_DTYPES)}"
         )
@@ -74,6 +75,6 @@ def wire_name_of_numpy(dtype: np.dtype | type) -> str:
     for row in WIRE_DTYPES.values():
         if row.numpy == np_dtype:
             return row.name
-    raise ValueError(
+    raise ConfigError(
         f"numpy dtype {np_dtype} has no wire name; supported: {', '.join(SUPPORTED_DTYPES)}"
     )

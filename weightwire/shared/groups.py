@@ -12,6 +12,7 @@ import functools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TypeVar
 
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.meta import ParamMeta
 
 T = TypeVar("T")
@@ -44,7 +45,7 @@ def layerwise_groups(metadata: Sequence[ParamMeta]) -> list[list[ParamMeta]]:
             groups[-1].append(meta)
             continue
         if key is not None and key in closed:
-            raise ValueError(
+            raise ConfigError(
                 f"{meta.name!r} belongs to {key!r}, whose names are not contiguous in metadata "
                 "order; reorder the source so each layer's tensors are adjacent"
             )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 from weightwire.shared.dtypes import wire_dtype
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.limits import LIMITS, bounded_repr
 
 
@@ -28,28 +29,28 @@ class ParamMeta:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(
+            raise ConfigError(
                 f"ParamMeta.name must be a non-empty string, got {bounded_repr(self.name)}"
             )
         if len(self.name) > LIMITS.max_name_length:
-            raise ValueError(
+            raise ConfigError(
                 f"ParamMeta.name is {len(self.name)} characters, "
                 f"over the limit {LIMITS.max_name_length}"
             )
         try:
             row = wire_dtype(self.dtype)
         except ValueError as exc:
-            raise ValueError(f"dtype of {self.name!r}: {exc}") from None
+            raise ConfigError(f"dtype of {self.name!r}: {exc}") from None
         shape = validate_shape(self.shape, field=f"shape of {self.name!r}")
         object.__setattr__(self, "shape", shape)
         if row.itemsize * math.prod(shape) > LIMITS.max_tensor_bytes:
-            raise ValueError(
+            raise ConfigError(
                 f"shape of {self.name!r} {list(shape)} x {row.itemsize} bytes overflows the "
                 f"per-tensor limit of {LIMITS.max_tensor_bytes} bytes"
             )
         if self.owners is not None:
             if not isinstance(self.owners, (list, tuple)):
-                raise ValueError(
+                raise ConfigError(
                     f"owners of {self.name!r} must be a list of ints, "
                     f"got {bounded_repr(self.owners)}"
                 )
@@ -58,7 +59,7 @@ class ParamMeta:
             if not owners or not all(
                 type(r) is int and 0 <= r < LIMITS.max_world_size for r in owners
             ):
-                raise ValueError(
+                raise ConfigError(
                     f"owners of {self.name!r} must be a non-empty list of ranks in "
                     f"[0, {LIMITS.max_world_size}), got {bounded_repr(self.owners)}"
                 )
@@ -97,19 +98,19 @@ class ParamMeta:
     def from_dict(cls, data: object) -> ParamMeta:
         """Strict parse: unknown keys, missing fields and wrong types raise ``ValueError``."""
         if not isinstance(data, dict):
-            raise ValueError(f"ParamMeta must be a JSON object, got {type(data).__name__}")
+            raise ConfigError(f"ParamMeta must be a JSON object, got {type(data).__name__}")
         unknown = [k for k in data if k not in {"name", "dtype", "shape", "owners"}]
         if unknown:
             shown = ", ".join(bounded_repr(k) for k in sorted(unknown, key=str)[:5])
-            raise ValueError(
+            raise ConfigError(
                 f"ParamMeta: unknown keys [{shown}]; allowed: ['dtype', 'name', 'owners', 'shape']"
             )
         for key in ("name", "dtype", "shape"):
             if key not in data:
-                raise ValueError(f"ParamMeta: missing required field {key!r}")
+                raise ConfigError(f"ParamMeta: missing required field {key!r}")
         owners = data.get("owners")
         if owners is not None and not isinstance(owners, list):
-            raise ValueError(f"ParamMeta.owners must be a list, got {type(owners).__name__}")
+            raise ConfigError(f"ParamMeta.owners must be a list, got {type(owners).__name__}")
         return cls(
             data["name"], data["dtype"], data["shape"], None if owners is None else tuple(owners)
         )
@@ -138,7 +139,7 @@ class MetaRows(Sequence[ParamMeta]):
         self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
     ) -> None:
         if not len(names) == len(dtypes) == len(shapes):
-            raise ValueError(
+            raise ConfigError(
                 f"MetaRows: {len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes"
             )
         self.names, self.dtypes, self.shapes = names, dtypes, shapes
@@ -187,29 +188,29 @@ def load_json(text: object, ctx: str) -> object:
     those into a crash instead of a clear rejection.
     """
     if not isinstance(text, (str, bytes, bytearray)):
-        raise ValueError(f"{ctx}: body must be JSON text, got {type(text).__name__}")
+        raise ConfigError(f"{ctx}: body must be JSON text, got {type(text).__name__}")
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
-        raise ValueError(f"{ctx}: body is not valid JSON ({reason})") from None
+        raise ConfigError(f"{ctx}: body is not valid JSON ({reason})") from None
 
 
 def validate_shape(shape: object, *, field: str = "shape") -> tuple[int, ...]:
     """A shape as a tuple of non-negative ints; bools, floats and huge ranks refused."""
     if not isinstance(shape, (list, tuple)):
-        raise ValueError(f"{field} must be a list of ints, got {bounded_repr(shape)}")
+        raise ConfigError(f"{field} must be a list of ints, got {bounded_repr(shape)}")
     if len(shape) > LIMITS.max_rank:
-        raise ValueError(f"{field} has {len(shape)} dims, over the limit {LIMITS.max_rank}")
+        raise ConfigError(f"{field} has {len(shape)} dims, over the limit {LIMITS.max_rank}")
     dims: list[int] = []
     for dim in shape:
         # bool is an int subclass; a shape of [True] is a bug, not a 1.
         if type(dim) is not int:
-            raise ValueError(f"{field} has a non-integer dim {bounded_repr(dim)}")
+            raise ConfigError(f"{field} has a non-integer dim {bounded_repr(dim)}")
         if dim < 0:
-            raise ValueError(f"{field} has a negative dim {dim}")
+            raise ConfigError(f"{field} has a negative dim {dim}")
         if dim > LIMITS.max_tensor_bytes:
-            raise ValueError(
+            raise ConfigError(
                 f"{field} has dim {bounded_repr(dim)}, over the limit {LIMITS.max_tensor_bytes}"
             )
         dims.append(dim)

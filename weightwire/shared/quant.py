@@ -264,23 +264,23 @@ def scheme_to_dict(scheme: Fp8Scheme) -> dict[str, object]:
 def scheme_from_dict(data: object, ctx: str) -> Fp8Scheme:
     """Strict parse of ``scheme_to_dict``'s JSON: ``ValueError`` naming ``ctx``."""
     if not isinstance(data, dict):
-        raise ValueError(f"{ctx} must be a JSON object, got {type(data).__name__}")
+        raise ConfigError(f"{ctx} must be a JSON object, got {type(data).__name__}")
     kind = data.get("kind")
     keys = {"block": {"kind", "block", "ue8m0"}, "tensor": {"kind"}}.get(str(kind))
     if keys is None:
-        raise ValueError(f"{ctx}.kind must be 'block' or 'tensor', got {kind!r}")
+        raise ConfigError(f"{ctx}.kind must be 'block' or 'tensor', got {kind!r}")
     extra = sorted(str(k) for k in data if k not in keys)
     if extra:
-        raise ValueError(f"{ctx}: unknown keys {extra}; allowed: {sorted(keys)}")
+        raise ConfigError(f"{ctx}: unknown keys {extra}; allowed: {sorted(keys)}")
     if kind == "tensor":
         return Fp8PerTensor()
     block = data.get("block")
     if not isinstance(block, list):
-        raise ValueError(f"{ctx}.block must be a list of two ints, got {block!r}")
+        raise ConfigError(f"{ctx}.block must be a list of two ints, got {block!r}")
     try:
         return Fp8Block(tuple(block), data.get("ue8m0", False))
     except QuantizationError as exc:
-        raise ValueError(f"{ctx}: {exc}") from None
+        raise ConfigError(f"{ctx}: {exc}") from None
 
 
 def scheme_of_config(quantization_config: object) -> Fp8Scheme | None:

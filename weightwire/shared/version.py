@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 
 from packaging.version import InvalidVersion, Version
 
+from weightwire.shared.errors import ConfigError
 from weightwire.shared.limits import bounded_repr
 
 KNOWN_RELEASES: tuple[tuple[int, int], ...] = ((0, 28), (0, 29), (0, 30), (0, 31), (0, 32), (0, 33))
@@ -114,11 +115,11 @@ _MAX_VERSION_CHARS = (
 def parse_version(text: object) -> Version:
     """A PEP 440 version (``v`` prefix and surrounding spaces allowed); ``ValueError`` otherwise."""
     if not isinstance(text, str) or len(text) > _MAX_VERSION_CHARS:
-        raise ValueError(f"cannot parse server version {bounded_repr(text)}")
+        raise ConfigError(f"cannot parse server version {bounded_repr(text)}")
     try:
         return Version(text)
     except (InvalidVersion, ValueError):
-        raise ValueError(f"cannot parse server version {bounded_repr(text)}") from None
+        raise ConfigError(f"cannot parse server version {bounded_repr(text)}") from None
 
 
 def _fmt(release: tuple[int, int]) -> str:
@@ -189,7 +190,7 @@ class ServerFeatures:
             forced_row = _minor(forced.release)
             if forced_row not in KNOWN_RELEASES:
                 known = ", ".join(_fmt(r) for r in KNOWN_RELEASES)
-                raise ValueError(f"version override {override!r} is not a known release ({known})")
+                raise ConfigError(f"version override {override!r} is not a known release ({known})")
             flags = {f.name: forced_row >= f.first for f in FEATURES}
             return cls(
                 version,
@@ -220,7 +221,7 @@ class ServerFeatures:
             )
         else:
             reason = f"needs >= {_fmt(f.first)}; server is {self.basis}"
-        raise ValueError(f"server version {self.version} lacks {feature} ({reason}): {why}")
+        raise ConfigError(f"server version {self.version} lacks {feature} ({reason}): {why}")
 
     def enabled(self) -> list[str]:
         return [

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightwire.shared.client import ROUND_CALLS, EngineClient, ServerControls
-from weightwire.shared.errors import WrongType
+from weightwire.shared.errors import ConfigError, WrongType
 from weightwire.shared.routes import start_left_paused
 from weightwire.shared.staging import round_streams
 from weightwire.shared.version import ServerFeatures, parse_version, resolve_release
@@ -53,13 +53,13 @@ def server_features(
             resolve_release(parse_version(stated))[0],
         )
         if got != want:
-            raise ValueError(
+            raise ConfigError(
                 f"TrainerInitInfo.server_version is {stated!r} but the server reports {asked!r}; "
                 "drop server_version, or set version_override to gate on purpose"
             )
     version = asked if asked is not None else stated
     if version is None:
-        raise ValueError(
+        raise ConfigError(
             "no server version: the client has no version() and "
             "TrainerInitInfo.server_version is unset"
         )
@@ -85,7 +85,7 @@ def require_draft_model(client: EngineClient, caps: ClientCaps) -> None:
     missing = [i for i, ok in enumerate(answers) if not ok]
     if not answers or missing:
         which = ", ".join(str(i) for i in missing) or "all"
-        raise ValueError(
+        raise ConfigError(
             f"server(s) {which} show no speculative draft model (/server_info has no "
             "speculative_config); a draft round there would kill vLLM's engine core. "
             "Nothing was sent"

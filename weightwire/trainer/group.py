@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Protocol, runtime_checkable
 
-from weightwire.shared.errors import RoundError
+from weightwire.shared.errors import ConfigError, RoundError
 
 _EARLY_SLACK_S = 0.5
 """A store error this much before 90% of the timeout is a failure, not the timeout (stores
@@ -126,7 +126,7 @@ class StoreGroup:
 
     def __init__(self, rank: int, size: int) -> None:
         if not 0 <= rank < size:
-            raise ValueError(f"rank {rank} is not in a group of size {size}")
+            raise ConfigError(f"rank {rank} is not in a group of size {size}")
         self._rank, self._size = rank, size
 
     @property

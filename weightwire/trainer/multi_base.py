@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from weightwire.backends.base import Sent
-from weightwire.shared.errors import RoundError, WrongType
+from weightwire.shared.errors import ConfigError, RoundError, WrongType
 from weightwire.shared.framing import Chunk
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.broadcast_plan import BroadcastPlan, Turn
@@ -72,7 +72,7 @@ class Ranks:
         if not isinstance(group, TrainerGroup):
             raise WrongType(f"group must be a weightwire TrainerGroup, got {type(group).__name__}")
         if group.rank != session.info.rank:
-            raise ValueError(
+            raise ConfigError(
                 f"TrainerInitInfo.rank {session.info.rank} is not the group's rank {group.rank}"
             )
         self.session = session

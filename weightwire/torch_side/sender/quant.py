@@ -19,6 +19,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from weightwire.shared.errors import WrongType
 from weightwire.shared.quant import (
     BLOCK_AMAX_FLOOR,
     FP8_MAX,
@@ -290,7 +291,7 @@ def _launch(items: Sequence[tuple[str, torch.Tensor, Fp8Scheme]], stats: bool) -
     for name, x, scheme in items:
         check_input(name, wire_name(x.dtype), tuple(x.shape), scheme)
         if not isinstance(scheme, Fp8Block | Fp8PerTensor):
-            raise TypeError(f"not an FP8 scheme: {scheme!r}")
+            raise WrongType(f"not an FP8 scheme: {scheme!r}")
     names = [name for name, _, _ in items]
     block_items = [
         (i, x.detach(), scheme)
