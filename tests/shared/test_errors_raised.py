@@ -112,3 +112,88 @@ def test_a_missing_extra_is_an_import_error_and_a_weightwire_error() -> None:
     assert isinstance(caught.value, MissingExtra) and isinstance(caught.value, WeightwireError)
     assert caught.value.name == "not_installed_xyz"
     assert str(MissingExtra("flax")).endswith('[jax]"')
+
+
+# -- the public calls that raised bare builtins: now the tree's classes, naming the input ------
+
+
+def test_a_bad_param_meta_is_a_config_error_naming_the_field() -> None:
+    from weightwire.shared.meta import ParamMeta
+
+    with pytest.raises(ConfigError, match=r"ParamMeta\.name must be a non-empty string, got ''"):
+        ParamMeta("", "float32", (2,))
+    with pytest.raises(ConfigError, match=r"dtype of 'w': unsupported dtype 'float7'") as caught:
+        ParamMeta("w", "float7", (2,))
+    assert isinstance(caught.value, ValueError)  # a handler for the builtin still catches it
+    with pytest.raises(ConfigError, match=r"ParamMeta: unknown keys \['extra'\]; allowed"):
+        ParamMeta.from_dict({"name": "w", "dtype": "float32", "shape": [2], "extra": 1})
+
+
+def test_an_unknown_backend_is_a_config_error_listing_the_known_ones() -> None:
+    from weightwire import backends
+
+    with pytest.raises(ConfigError, match=r"unknown backend 'tpc'; known: .*weightwire_tcp"):
+        backends.get_backend("tpc")
+    with pytest.raises(ConfigError, match=r"unknown backend 'tpc'; known: .*weightwire_tcp"):
+        backends.get("tpc")
+
+
+def test_a_server_version_that_does_not_parse_is_a_config_error_naming_it() -> None:
+    from weightwire.shared.version import parse_version
+
+    with pytest.raises(ConfigError, match=r"cannot parse server version 'v-next'"):
+        parse_version("v-next")
+
+
+def test_a_bad_fp8_scheme_is_a_config_error_naming_its_field() -> None:
+    from weightwire.shared.quant import scheme_from_dict
+
+    with pytest.raises(ConfigError, match=r"fp8\.kind must be 'block' or 'tensor', got 'row'"):
+        scheme_from_dict({"kind": "row"}, "fp8")
+
+
+def test_layers_out_of_order_are_a_config_error_naming_the_tensor() -> None:
+    from weightwire.shared.groups import layerwise_groups
+    from weightwire.shared.meta import ParamMeta
+
+    metas = [
+        ParamMeta(f"model.layers.{i}.{n}.weight", "float32", (2,))
+        for i, n in ((0, "q"), (1, "q"), (0, "k"))
+    ]
+    with pytest.raises(ConfigError, match=r"'model\.layers\.0\.k\.weight' belongs to .*reorder"):
+        layerwise_groups(metas)
+
+
+def test_a_torch_group_before_its_process_group_is_not_initialized_and_a_runtime_error() -> None:
+    from weightwire.shared.errors import NotInitialized
+    from weightwire.torch_side.sender.group import TorchStoreGroup
+
+    with pytest.raises(NotInitialized, match=r"torch\.distributed\.init_process_group first"):
+        TorchStoreGroup()
+    assert issubclass(NotInitialized, ConfigError) and issubclass(NotInitialized, RuntimeError)
+    with pytest.raises(ConfigError, match=r"rank 3 is not in a group of size 2"):
+        TorchStoreGroup(object(), rank=3, size=2)
+
+
+def test_a_jax_group_before_jax_distributed_is_not_initialized() -> None:
+    from weightwire.jax_side.multiprocess import JaxProcessGroup
+    from weightwire.shared.errors import NotInitialized
+
+    with pytest.raises(NotInitialized, match=r"jax\.distributed\.initialize\(\) first"):
+        JaxProcessGroup()
+
+
+def test_a_merge_axes_the_wrong_way_round_is_a_naming_error() -> None:
+    import jax.numpy as jnp
+
+    from weightwire.jax_side.transforms import MergeAxes, NamingError
+
+    with pytest.raises(NamingError, match=r"MergeAxes\(2, 0\) on rank 3: last axis precedes"):
+        MergeAxes(2, 0)(jnp.zeros((2, 3, 4)))
+
+
+def test_an_unknown_layout_family_is_a_config_error_listing_the_known_ones() -> None:
+    from weightwire.jax_side.layouts import preset_layout
+
+    with pytest.raises(ConfigError, match=r"no layout for family 'gpt5'; known: .*llama"):
+        preset_layout("gpt5", {})

@@ -28,6 +28,7 @@ import jax
 
 from weightwire.jax_side.naming import Naming
 from weightwire.jax_side.source import PytreeSource
+from weightwire.shared.errors import NotInitialized
 from weightwire.shared.groups import layerwise_groups
 from weightwire.shared.meta import ParamMeta
 from weightwire.trainer.group import StoreGroup
@@ -122,7 +123,10 @@ class JaxProcessGroup(StoreGroup):
         from jax._src.distributed import global_state  # the public API has no KV store
 
         if global_state.client is None:
-            raise RuntimeError("JaxProcessGroup needs jax.distributed.initialize() first")
+            raise NotInitialized(
+                "JaxProcessGroup needs jax.distributed.initialize() first: call it on every "
+                "process before building the group"
+            )
         super().__init__(jax.process_index(), jax.process_count())
         self._client = global_state.client
 

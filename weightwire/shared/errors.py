@@ -7,6 +7,7 @@ defined outside this module)::
       ConfigError (ValueError)
         SourceMismatch
         WrongType (TypeError)
+        NotInitialized (RuntimeError)
         NamingError                          [weightwire.jax_side.transforms]
         CheckpointError                      [weightwire.jax_side.checkpoint]
         PlanError                            [weightwire.trainer.broadcast_plan]
@@ -127,6 +128,15 @@ class WrongType(ConfigError, TypeError):
     client lacking a route the configuration needs); the message names what was expected.
 
     Also a ``TypeError``, which such a mistake raised before it had a class of its own.
+    """
+
+
+class NotInitialized(ConfigError, RuntimeError):
+    """A call made before the set-up it needs (a ``JaxProcessGroup`` before
+    ``jax.distributed.initialize()``, a ``TorchStoreGroup`` with neither a store nor
+    ``torch.distributed.init_process_group``); the message names the step to run first.
+
+    Also a ``RuntimeError``, which such a call raised before it had a class of its own.
     """
 
 

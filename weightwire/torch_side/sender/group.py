@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from weightwire.shared.errors import NotInitialized
 from weightwire.trainer.group import StoreGroup
 
 _DEFAULT_STORE = object()  # the default process group's store, however many wrappers of it we hold
@@ -24,7 +25,7 @@ class TorchStoreGroup(StoreGroup):
     ) -> None:
         if store is None:
             if not dist.is_initialized():
-                raise RuntimeError(
+                raise NotInitialized(
                     "TorchStoreGroup needs a store, or torch.distributed.init_process_group first"
                 )
             store = dist.distributed_c10d._get_default_store()
