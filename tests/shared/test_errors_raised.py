@@ -197,3 +197,13 @@ def test_an_unknown_layout_family_is_a_config_error_listing_the_known_ones() -> 
 
     with pytest.raises(ConfigError, match=r"no layout for family 'gpt5'; known: .*llama"):
         preset_layout("gpt5", {})
+
+
+def test_the_command_lines_bad_arguments_are_config_errors_naming_them() -> None:
+    from weightwire.tools.demo.config import DemoConfig
+    from weightwire.tools.server.tiny import resolve_model
+
+    with pytest.raises(ConfigError, match=r"--backend must be one of .*got 'carrier-pigeon'"):
+        DemoConfig(backend="carrier-pigeon")
+    with pytest.raises(ConfigError, match=r"--model 'no-such-model' is neither tiny-llama"):
+        resolve_model("no-such-model")

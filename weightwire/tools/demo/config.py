@@ -17,6 +17,7 @@ from weightwire import backends
 from weightwire.backends.ipc.spec import IPC
 from weightwire.backends.nccl.spec import NCCL, WEIGHTWIRE_NCCL
 from weightwire.backends.tcp.spec import TCP
+from weightwire.shared.errors import ConfigError
 
 DEMO_BACKENDS = tuple(
     name
@@ -83,17 +84,17 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in DEMO_BACKENDS:
-            raise ValueError(
+            raise ConfigError(
                 f"--backend must be one of {', '.join(DEMO_BACKENDS)}, got {self.backend!r} "
                 "(weightwire_ipc: pass --colocated)"
             )
         if self.server is not None and self.model_dir is None:
-            raise ValueError(
+            raise ConfigError(
                 "--server needs --model-dir: the directory the server loaded, so the JAX policy "
                 "starts from the same weights and tokenizer"
             )
         if self.model_dir is not None and not (Path(self.model_dir) / "config.json").is_file():
-            raise ValueError(
+            raise ConfigError(
                 f"--model-dir {self.model_dir!r} is not a Hugging Face model "
                 "directory (no config.json); pass the directory the server loaded"
             )
@@ -105,38 +106,38 @@ class DemoConfig:
             ("check_tokens", 1),
         ):
             if getattr(self, name) < lo:
-                raise ValueError(
+                raise ConfigError(
                     f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(self, name)}"
                 )
         if self.samples_per_prompt < 1 or self.batch % self.samples_per_prompt:
-            raise ValueError(
+            raise ConfigError(
                 f"--batch {self.batch} must be a multiple of --samples-per-prompt "
                 f"{self.samples_per_prompt}"
             )
         if not self.tolerance > 0:
-            raise ValueError(f"tolerance must be > 0, got {self.tolerance}")
+            raise ConfigError(f"tolerance must be > 0, got {self.tolerance}")
         if self.colocated and self.server is not None:
-            raise ValueError(
+            raise ConfigError(
                 "--colocated starts the reference server on this GPU itself; drop --server"
             )
         if self.overlap and self.steps < 2:
-            raise ValueError("--overlap needs --steps >= 2 (one blocking step to compare with)")
+            raise ConfigError("--overlap needs --steps >= 2 (one blocking step to compare with)")
         if self.overlap and self.colocated:
-            raise ValueError(
+            raise ConfigError(
                 "--overlap and --colocated exclude each other: a colocated server sleeps while "
                 "the policy trains, so no round can stream meanwhile"
             )
         if self.wait_ready is not None:
             if self.server is None:
-                raise ValueError(
+                raise ConfigError(
                     "--wait-ready waits for --server; the embedded server is waited for anyway"
                 )
             if not 0 < self.wait_ready < math.inf:
-                raise ValueError(
+                raise ConfigError(
                     f"--wait-ready must be a finite number of seconds > 0, got {self.wait_ready}"
                 )
         if self.sleep_level not in (0, 1, 2):
-            raise ValueError(f"--sleep-level must be 0, 1 or 2, got {self.sleep_level}")
+            raise ConfigError(f"--sleep-level must be 0, 1 or 2, got {self.sleep_level}")
 
     @property
     def backend_name(self) -> str:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from weightwire.shared.errors import ConfigError
 from weightwire.tools.models import decoder
 
 
@@ -54,7 +55,7 @@ class Policy:
 
     def __init__(self, cfg: decoder.DecoderConfig, params: Any, *, lr: float) -> None:
         if not lr > 0:
-            raise ValueError(f"learning rate must be > 0, got {lr}")
+            raise ConfigError(f"learning rate must be > 0, got {lr}")
         self.cfg = cfg
         self.params = params
         self._opt = optax.adam(lr)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from weightwire._extras import require
+from weightwire.shared.errors import ConfigError
 
 
 class CharReward:
@@ -24,14 +25,14 @@ class CharReward:
         self, pieces: Sequence[str], char: str = "e", *, n_tokens: int | None = None
     ) -> None:
         if len(char) != 1:
-            raise ValueError(f"the target must be one character, got {char!r}")
+            raise ConfigError(f"the target must be one character, got {char!r}")
         self.char = char
         self.pieces = list(pieces)
         self.n_tokens = len(self.pieces) if n_tokens is None else n_tokens
         """Ids below this are real tokenizer tokens (the model's vocab may be padded past it)."""
         self.mask = np.array([char in p for p in self.pieces], dtype=bool)
         if not self.mask.any():
-            raise ValueError(
+            raise ConfigError(
                 f"no token of the vocabulary contains {char!r}: the reward could never rise"
             )
 
@@ -43,7 +44,9 @@ class CharReward:
         """
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
-            raise ValueError(f"{model_dir} has no tokenizer.json; the reward needs the token texts")
+            raise ConfigError(
+                f"{model_dir} has no tokenizer.json; the reward needs the token texts"
+            )
         require("tokenizers", purpose="decoding the token texts")
         from tokenizers import Tokenizer  # Rust library, torch-free
 

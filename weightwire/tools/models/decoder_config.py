@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from weightwire.jax_side.presets import family_options
+from weightwire.shared.errors import ConfigError
 from weightwire.tools.models.common import rope_inv_freq
 
 FAMILIES = (
@@ -98,31 +99,31 @@ class DecoderConfig:
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
-            raise ValueError(f"unknown family {self.family!r}; known: {', '.join(FAMILIES)}")
+            raise ConfigError(f"unknown family {self.family!r}; known: {', '.join(FAMILIES)}")
         if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(
+            raise ConfigError(
                 f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}"
             )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(
+            raise ConfigError(
                 "hidden_size must divide by num_attention_heads when head_dim is not given"
             )
         if (self.family in _MOE_FAMILIES) != (self.num_experts > 0):
-            raise ValueError(
+            raise ConfigError(
                 f"family {self.family!r} with num_experts={self.num_experts}: MoE families need "
                 "experts, dense ones none"
             )
         if self.num_experts and self.fused_gate_up:
-            raise ValueError(
+            raise ConfigError(
                 "fused_gate_up is not implemented for MoE experts in the reference model"
             )
         if self.fused_qkv and self.head_axes:
-            raise ValueError("fused_qkv and head_axes are alternative layouts; pick one")
+            raise ConfigError("fused_qkv and head_axes are alternative layouts; pick one")
         rope_inv_freq(
             self.head_dim_, self.rope_theta, self.rope_scaling_dict
         )  # fail early on a bad rope
@@ -131,7 +132,7 @@ class DecoderConfig:
     def for_family(cls, family: str, **overrides: Any) -> DecoderConfig:
         """A config with the family's fixed traits (e.g. Qwen2's qkv bias) filled in."""
         if family not in FAMILIES:
-            raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+            raise ConfigError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
         return cls(family=family, **{**_family_defaults(family), **overrides})
 
     @classmethod
@@ -142,7 +143,7 @@ class DecoderConfig:
         """
         family = hf.get("model_type", "llama")
         if family not in FAMILIES:
-            raise ValueError(
+            raise ConfigError(
                 f"model_type {family!r} is not a decoder family here; known: {', '.join(FAMILIES)}"
             )
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})

