@@ -377,6 +377,7 @@ PUBLIC_MODULES = (
     "weightwire/shared",
     "weightwire/control",
     "weightwire/backends/__init__.py",
+    "weightwire/backends/tcp/rendezvous.py",
     # the command lines' arguments (`weightwire serve`, the demo) and the models they name
     "weightwire/tools/demo/config.py",
     "weightwire/tools/demo/policy.py",

@@ -207,3 +207,22 @@ def test_the_command_lines_bad_arguments_are_config_errors_naming_them() -> None
         DemoConfig(backend="carrier-pigeon")
     with pytest.raises(ConfigError, match=r"--model 'no-such-model' is neither tiny-llama"):
         resolve_model("no-such-model")
+
+
+def test_a_tcp_listener_nobody_can_dial_is_a_config_error_naming_the_fix() -> None:
+    from weightwire.backends.tcp.rendezvous import TCPRendezvous
+
+    with pytest.raises(ConfigError, match=r"bind_host '0\.0\.0\.0' .* pass advertise_host"):
+        TCPRendezvous(world_size=2, bind_host="0.0.0.0")
+    with pytest.raises(ConfigError, match=r"world_size must be an int in \[2, \d+\], got 1"):
+        TCPRendezvous(world_size=1)
+
+
+def test_a_bad_ipc_wait_mode_is_a_config_error_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from weightwire.backends.ipc.slots import wait_mode
+
+    monkeypatch.setenv("WEIGHTWIRE_IPC_WAIT", "spin")
+    with pytest.raises(ConfigError, match=r"WEIGHTWIRE_IPC_WAIT must be 'device' or 'host'"):
+        wait_mode()

@@ -34,7 +34,7 @@ from typing import Any
 
 from weightwire._extras import install_command
 from weightwire.backends.ipc.info import IPC_HANDLE_BYTES
-from weightwire.shared.errors import TransferError, TransferTimeout, UnavailableError
+from weightwire.shared.errors import ConfigError, TransferError, TransferTimeout, UnavailableError
 from weightwire.shared.info import encode_secret
 from weightwire.shared.waiting import poll_until
 
@@ -174,7 +174,10 @@ def wait_mode() -> str:
     scheduled) or ``host`` (poll ``cudaEventQuery``, then enqueue). ``WEIGHTWIRE_IPC_WAIT``."""
     mode = os.environ.get("WEIGHTWIRE_IPC_WAIT", DEFAULT_WAIT)
     if mode not in ("device", "host"):
-        raise ValueError(f"WEIGHTWIRE_IPC_WAIT must be 'device' or 'host', got {mode[:20]!r}")
+        raise ConfigError(
+            f"WEIGHTWIRE_IPC_WAIT must be 'device' or 'host', got {mode[:20]!r}: set one of "
+            "them, or unset it for the default"
+        )
     return mode
 
 

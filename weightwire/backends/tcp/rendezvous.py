@@ -24,7 +24,7 @@ from typing import TypedDict
 
 from weightwire.backends.tcp import wire
 from weightwire.backends.tcp.comm import TCPCommunicator, root_communicator
-from weightwire.shared.errors import TransferError, TransferTimeout
+from weightwire.shared.errors import ConfigError, TransferError, TransferTimeout
 from weightwire.shared.info import TCP_SECRET_BYTES, encode_secret
 from weightwire.shared.limits import LIMITS
 
@@ -65,11 +65,11 @@ class TCPRendezvous:
         socket_buffer_bytes: int | None = wire.DEFAULT_SOCKET_BUFFER_BYTES,
     ) -> None:
         if type(world_size) is not int or not 2 <= world_size <= LIMITS.max_world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"world_size must be an int in [2, {LIMITS.max_world_size}], got {world_size!r}"
             )
         if type(port) is not int or not 0 <= port <= 65535:
-            raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+            raise ConfigError(f"port must be an int in [0, 65535], got {port!r}")
         self._secret = wire.check_secret(
             secrets.token_bytes(TCP_SECRET_BYTES) if secret is None else secret
         )
@@ -90,7 +90,7 @@ class TCPRendezvous:
         host = advertise_host or bind_host
         if host in ("0.0.0.0", "::", ""):
             listener.close()
-            raise ValueError(
+            raise ConfigError(
                 f"bind_host {bind_host!r} is not an address receivers can dial; pass advertise_host"
             )
         self.host: str = host
