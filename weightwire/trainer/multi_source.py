@@ -35,7 +35,9 @@ ranks name the same ``weight_version`` (or leave it to rank 0). A rank that give
 round's agreement is out of step: its engine is broken, rank 0's verdict tells a late rank
 at once, and a rank 0 that comes after another gave up runs no round. A rank that shuts
 down, or whose engine is broken, posts the next agreement as its leaving: the others'
-next round fails at once naming it.
+next round fails at once naming it; a rank that refuses a round before its agreement
+(``send_weights(wait=False)``) posts its refusal as it, so every rank refuses that round at
+once and stays usable.
 ``weightwire_tcp`` and ``weightwire_nccl`` run several broadcasters (``check_receiver``);
 a single-broadcaster plan is the engine's own one-turn round, its verdict published.
 """
@@ -387,6 +389,17 @@ class MultiSource:
             self.exchange.post("round", {"digest": None, "error": None, "left": left})
         except Exception as exc:  # a store already gone: the others' bound still holds
             logger.debug("could not tell the group this rank left: %s", exc)
+
+    def refuse(self, why: str) -> None:
+        """This rank refuses this round before its agreement (a call the group cannot run):
+        it posts the refusal as its agreement, so every other rank's same round is refused at
+        once naming it (``_agree``'s ``PlanError``), and every rank stays in step and usable
+        for the next round (was: they waited out ``http_s`` for this rank's post)."""
+        self.exchange.step()
+        try:
+            self.exchange.post("round", {"digest": None, "error": why})
+        except Exception as exc:  # a store already gone: the others' bound still holds
+            logger.debug("could not tell the group this rank refused the round: %s", exc)
 
     def _note_outcome(self, exc: BaseException) -> None:
         """This rank's own pass over its source failed while rank 0 sends the round alone
