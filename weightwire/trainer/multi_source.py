@@ -30,7 +30,8 @@ failed turn names its broadcaster (rank and ``src``) and that rank's own error w
 reported one; a failure leaves the engine broken on every rank exactly where it leaves
 rank 0's broken, as for a single-sender round (a start refused by its servers, a refusal
 before any call or a failed verification after a committed round do not), and always after
-several broadcasters' or a sliced round's failure (the other ranks' wires took part). The
+several broadcasters' failure or a sliced round's once rank 0 told the others "go" (their
+wires took part; a sliced round refused before it, no byte out, keeps them as rank 0). The
 ranks name the same ``weight_version`` (or leave it to rank 0). A rank that gives up on a
 round's agreement is out of step: its engine is broken, rank 0's verdict tells a late rank
 at once, and a rank 0 that comes after another gave up runs no round. A rank that shuts
@@ -357,7 +358,9 @@ class MultiSource:
                     if self.slicing is not None:
                         sent = self.slicing.follow(metas, draft)
                 except BaseException as exc:
-                    self.ranks.break_(exc)  # aborts this star: the workers fail the round now
+                    assert self.slicing is not None
+                    if not self.slicing.kept_before_any_byte(exc):
+                        self.ranks.break_(exc)  # aborts this star: the workers fail it now
                     raise
                 if sent is None:
                     try:
@@ -526,9 +529,11 @@ class MultiSource:
         self._told = True
         verdict: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}", "version": None}
         if self.slicing is not None:
-            sliced = self.slicing.in_flight
+            # the other processes wrote (or aborted their stars) only once told "go": before
+            # it they keep their engines as rank 0 keeps its own (kept_before_any_byte)
+            opened = self.slicing.in_flight and self.slicing.opened
             self.slicing.release()  # the other senders may be waiting for their "go"
-            if sliced and not committed:  # every other process aborted its star
+            if opened and not committed:
                 self.ranks.break_(exc)
         bplan = self.ranks.round
         if bplan is not None and bplan.multi:
