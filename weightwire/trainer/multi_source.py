@@ -34,8 +34,10 @@ several broadcasters' failure or a sliced round's once rank 0 told the others "g
 wires took part; a sliced round refused before it, no byte out, keeps them as rank 0). The
 ranks name the same ``weight_version`` (or leave it to rank 0). A rank that gives up on a
 round's agreement is out of step: its engine is broken, rank 0's verdict tells a late rank
-at once, and a rank 0 that comes after another gave up runs no round. A rank that shuts
-down, or whose engine is broken, posts the next agreement as its leaving: the others'
+at once, and a rank 0 that comes after another gave up runs no round. A rank that gives up
+on rank 0's verdict does not know the outcome (rank 0 may still commit): its engine stays
+usable and the next round's agreement carries rank 0's last verdict (``settled``). A rank
+that shuts down, or whose engine is broken, posts the next agreement as its leaving: the others'
 next round fails at once naming it; a rank that refuses a round before its agreement
 (``send_weights(wait=False)``) posts its refusal as it, so every rank refuses that round at
 once and stays usable.
@@ -128,6 +130,14 @@ class MultiSource:
         # where the source names no broadcasters (no owners: rank 0 would send alone).
         self.slicing: SeveralSlicing | None = None
         self._told = False  # rank 0: this round's verdict is posted
+        self._last: dict[str, Any] | None = None
+        """Rank 0: its last verdict, told in the next round's agreement (``_settle``)."""
+        self._unsettled = False
+        """Not rank 0: it gave up on the last round's verdict, so that round's outcome is
+        unknown here until the next round's agreement tells it (``_settle``)."""
+        self.settled: dict[str, Any] | None = None
+        """Not rank 0: the outcome of a round whose verdict this rank gave up on, as the next
+        round's agreement told it: ``version`` (committed) or ``error``."""
 
     # -- agreement ----------------------------------------------------------------------
 
@@ -317,10 +327,13 @@ class MultiSource:
             asked = s.next_version(version) if self.rank == 0 else version
             bound = s.info.timeouts.http_s
             try:
+                told: dict[str, Any] = {"version": asked, "at": time.time()}
+                if self.rank == 0:
+                    told["last"] = self._last  # for a rank that gave up on its verdict
                 agreed = self._agree(
                     "round",
                     metas,
-                    {"version": asked, "at": time.time()},
+                    told,
                     None,
                     bound,
                     fits=not draft,
@@ -332,6 +345,8 @@ class MultiSource:
             except GroupTimeout as exc:
                 self._gave_up(exc)
                 raise
+            if self._unsettled:
+                self._settle(agreed.values[0].get("last"))
             check_versions([v.get("version") for v in agreed.values])
             bplan = agreed.plan
             if self.rank != 0 and (bplan.multi or self.slicing is not None):
@@ -500,14 +515,55 @@ class MultiSource:
     def _await_verdict(self, bplan: BroadcastPlan | None) -> dict[str, Any]:
         t = self.session.info.timeouts
         turns = 1 if bplan is None else len(bplan.turns)
+        bound = t.http_s * (turns + 2) + t.transfer_s
         try:
-            verdict = self.exchange.get("verdict", 0, t.http_s * (turns + 2) + t.transfer_s)
-        except GroupTimeout as exc:
-            self.ranks.break_(exc)
-            raise
+            verdict = self.exchange.get("verdict", 0, bound)
+        except GroupTimeout:
+            # This rank's part is done; rank 0's may still commit the round (a longer round
+            # than this bound): its outcome is unknown, not failed. The engine stays usable
+            # and the next round's agreement tells the outcome (was: broken here, reported
+            # failed, and the round could commit afterwards).
+            self._unsettled = True
+            raise GroupTimeout(
+                f"trainer rank 0 did not post this round's verdict within {bound:g} s "
+                f"(http_s x {turns + 2} + transfer_s): the round's outcome is unknown, it "
+                "may still commit. Read the servers' weight_version (GET /weight_info, "
+                "client.weight_info()), or call send_weights again: the next round's "
+                "agreement tells this rank what rank 0 committed (MultiSource.settled)"
+            ) from None
         if verdict["error"]:
             raise self._failure(verdict)
         return verdict
+
+    def _settle(self, last: dict[str, Any] | None) -> None:
+        """The round whose verdict this rank gave up on ended as rank 0's ``last`` verdict,
+        told in this round's agreement: kept in ``settled`` and logged; a failure rank 0 did
+        not survive breaks this engine as it broke rank 0's."""
+        self._unsettled = False
+        if not isinstance(last, dict):
+            return
+        self.settled = {"version": last.get("version"), "error": last.get("error")}
+        if last.get("error"):
+            logger.warning(
+                "trainer rank %d: the previous round, whose verdict it gave up on, failed on "
+                "rank 0: %s",
+                self.rank,
+                last["error"],
+            )
+            if not last.get("committed") and not last.get("kept"):
+                failure = RoundFailed(
+                    f"trainer rank 0 reported the previous round failed after this rank gave "
+                    f"up on its verdict, and broke its engine: {last['error']}"
+                )
+                self.ranks.break_(failure)
+                raise failure
+            return
+        logger.warning(
+            "trainer rank %d: the previous round, whose verdict it gave up on, was committed "
+            "by rank 0 as version %r",
+            self.rank,
+            last.get("version"),
+        )
 
     def _failure(self, verdict: dict[str, Any]) -> RoundFailed:
         """Rank 0's verdict of a failed round, as this rank's error."""
@@ -523,7 +579,8 @@ class MultiSource:
 
     def committed(self, version: str) -> None:
         self._told = True
-        self.exchange.post("verdict", {"error": None, "version": version})
+        self._last = {"error": None, "version": version}
+        self.exchange.post("verdict", self._last)
 
     def failed(self, exc: BaseException, *, committed: bool) -> None:
         self._told = True
@@ -544,4 +601,5 @@ class MultiSource:
                 self.ranks.go(turn, False)
         # the others keep their engines exactly when rank 0 keeps its own
         verdict["kept"] = self.session.broken is None
+        self._last = verdict
         self.exchange.post("verdict", verdict)
