@@ -118,7 +118,6 @@ def test_a_round_refused_everywhere_before_any_byte_keeps_what_rank_zero_keeps()
     the round before any byte and rank 0's verdict says it kept its own: its "go" refused, or
     the plan agreement refused; its own failure (its star may hold part) never keeps it."""
     from weightwire.trainer.multi_base import RoundFailed
-    from weightwire.trainer.multi_sliced import PlanRefused
 
     held = [Held("w", 0, Box.whole((4, 2))), Held("n", 0, Box.whole((2,)))]
     plan = build_plan(METAS, Holdings.of(SHAPES, held), WANTS)
@@ -141,7 +140,7 @@ def test_a_round_refused_everywhere_before_any_byte_keeps_what_rank_zero_keeps()
         x.ranks.exchange.step()
         try:
             x.agree(plan, None if rank == 0 else "SlicePlanError: no shard holds w")
-        except PlanRefused as exc:
+        except SlicePlanError as exc:
             if rank == 0:
                 x.ranks.exchange.post("verdict", {"error": str(exc), "kept": True})
                 return None

@@ -52,9 +52,11 @@ from weightwire.trainer.transfer import tensor_stream
 _GRACE_S = 2.0  # how long a sender that was refused its "go" waits for rank 0's account
 
 
-class PlanRefused(SlicePlanError):
-    """The processes' slice plan agreement refused the round, on every process, before any
-    byte."""
+def _everywhere(message: str) -> SlicePlanError:
+    """The agreement's refusal: every process raises it, before any byte."""
+    refused = SlicePlanError(message)
+    refused.everywhere = True
+    return refused
 
 
 def slices_across(ranks: Ranks) -> bool:
@@ -141,10 +143,10 @@ class SeveralSlicing:
         values = x.exchange.allgather("slice_plan", mine, x.session.info.timeouts.http_s)
         for r, v in enumerate(values):
             if v.get("error"):
-                raise PlanRefused(f"trainer rank {r} could not build the slice plan: {v['error']}")
+                raise _everywhere(f"trainer rank {r} could not build the slice plan: {v['error']}")
         differ = [r for r, v in enumerate(values) if v.get("digest") != values[0].get("digest")]
         if differ:
-            raise PlanRefused(
+            raise _everywhere(
                 f"trainer ranks {differ} built another slice plan than rank 0: the processes "
                 "must see the same tensors (names, shapes, dtypes, shardings); pass "
                 "TrainerInitInfo(sliced='off') to broadcast"
@@ -187,7 +189,7 @@ class SeveralSlicing:
         though no worker had received anything)."""
         if isinstance(exc, RoundFailed):
             return exc.kept_before_any_byte
-        if isinstance(exc, PlanRefused):
+        if isinstance(exc, SlicePlanError) and exc.everywhere:
             with contextlib.suppress(GroupTimeout):  # rank 0 raised it too: its verdict follows
                 return bool(self.ranks.exchange.get("verdict", 0, _GRACE_S).get("kept"))
         return False
@@ -222,4 +224,4 @@ class SeveralSlicing:
         return slicing.sender.send(outgoing)
 
 
-__all__ = ["PlanRefused", "SeveralSlicing", "decode_hellos", "encode_hellos", "slices_across"]
+__all__ = ["SeveralSlicing", "decode_hellos", "encode_hellos", "slices_across"]
