@@ -253,3 +253,28 @@ def test_a_wait_pause_carries_its_bound_only_where_every_server_advertised_it() 
             [None, None] if bound is None else [bound, None, bound, bound]
         ), sent
     assert HTTPWeightSyncClient("http://a:1", timeout=600)._wait_bound("wait") == {}  # not told
+
+
+def test_a_wait_sleep_carries_the_pause_bound_only_where_every_server_advertised_it() -> None:
+    """``PAUSE_BOUNDS`` covers ``/sleep?mode=wait`` too: a sleep that waits for the running
+    requests carries the client's ``wait_s``, so one it gave up on never lands later (was: no
+    bound, the server drained up to ``--generate-timeout``); never to a server that did not
+    name it (stock vLLM's /sleep takes no such field), never for the other modes."""
+    from weightwire.shared.routes import PAUSE_BOUNDS
+
+    for named, bound in (([], None), ([PAUSE_BOUNDS], "4.500")):
+        servers = Servers({"a": 1})
+        servers.responses["a", "/init_weight_transfer_engine"] = httpx.Response(
+            200, json={"features": named}
+        )
+        client = servers.client()  # timeout=5
+        client.sleep(1, "wait")  # before the init: nothing told yet
+        client.init_weight_transfer_engine({"rank_offset": 1, "world_size": 2})
+        client.sleep(1, "wait")
+        client.sleep(2, "abort")
+        sent = [q for _, _, p, _, q in servers.seen if p == "/sleep"]
+        assert sent == [
+            {"level": "1", "mode": "wait"},
+            {"level": "1", "mode": "wait", **({} if bound is None else {"wait_s": bound})},
+            {"level": "2", "mode": "abort"},
+        ], sent

@@ -107,3 +107,32 @@ def test_a_wait_pause_past_its_clients_bound_is_504_and_undone_never_taking_effe
     finally:
         sender.close()
         http.close()
+
+
+def test_a_wait_sleep_past_its_clients_bound_is_504_and_undone_never_sleeping_later(
+    server,
+) -> None:
+    """``PAUSE_BOUNDS`` on ``/sleep?mode=wait&wait_s=``: the drain stops at the client's bound
+    (below ``--generate-timeout``), the sleep answers 504 saying the server did not sleep, and
+    once the generation ends the server is still awake and generating (was: the drain waited
+    up to --generate-timeout, past the client, and then slept, for a caller told it failed)."""
+    http = httpx.Client(base_url=server.url, timeout=30)
+    try:
+        t, out = running_generation(server.url)
+        resp = http.post("/sleep", params={"level": "1", "mode": "wait", "wait_s": "0.2"})
+        _still_running(out)
+        assert resp.status_code == 504, resp.text
+        assert "sleep failed: 1 request(s) still running after 0.2 s (mode=wait)" in resp.text
+        assert "the server did not sleep" in resp.text, resp.text
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        t.join(60)
+        assert out and out[0].status_code == 200
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert http.get("/is_paused").json() == {"is_paused": False}
+        short = {"prompt": "Hello", "max_tokens": 2, "ignore_eos": True, "temperature": 0}
+        assert http.post("/v1/completions", json=short).status_code == 200  # not held
+        resp = http.post("/sleep", params={"level": "1", "mode": "abort", "wait_s": "1"})
+        assert resp.status_code == 422 and "give it with mode=wait" in resp.text, resp.text
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    finally:
+        http.close()

@@ -25,6 +25,7 @@ from tests.ranks import join_gloo_pair
 from tests.trainer._sliced_session import (
     TP2,
     NoCalls,
+    assert_loaded,
     full_tensors,
     rounds_then_failure,
     torch_engine,
@@ -68,14 +69,29 @@ def main() -> None:
     def refuse_the_start() -> None:
         if rank == 0:
             client.start_weight_update = refused
+            # one server: its refused start opened no round anywhere, so rank 0 keeps its
+            # engine (a client naming none counts as several: trainer.round.may_have_opened)
+            client.base_url = "http://in-process-workers"
 
     try:
         rounds, failure = rounds_then_failure(engine, client, rank == 0, fill, refuse_the_start)
+        # A 5th round, the start answered again: every process kept its engine (no byte of
+        # the 4th went out), so it commits on both.
+        if rank == 0:
+            del client.start_weight_update
+        full = fill(5)
+        try:
+            after: Any = engine.send_weights().version
+            if rank == 0:
+                assert_loaded(client, full, "round 5 ")
+        except Exception as exc:
+            after = {"type": type(exc).__name__, "error": str(exc)[:400]}
     finally:
         engine.shutdown()
         if rank == 0:
             client.close()
-    print(json.dumps({"rank": rank, "rounds": rounds, "failure": failure}), flush=True)
+    report = {"rank": rank, "rounds": rounds, "failure": failure, "after": after}
+    print(json.dumps(report), flush=True)
     torch.distributed.destroy_process_group()
 
 

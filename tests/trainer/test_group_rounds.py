@@ -383,3 +383,73 @@ def test_the_first_difference_names_the_tensor_and_what_differs(
 
     zero = listed([("a", "float32", [2]), ("b", "float32", [2])])
     assert first_difference(zero, listed(other)) == said
+
+
+def test_a_rank_asking_wait_false_is_refused_on_every_rank_at_once_and_the_next_round_commits(
+    server_url: str, checkpoint: dict[str, np.ndarray], client: HTTPWeightSyncClient
+) -> None:
+    timeouts = Timeouts(http_s=6, connect_s=20, warmup_s=20, transfer_s=10)
+    before = served(client)
+
+    def rounds(rank: int, engine: Any) -> list[Outcome]:
+        if rank == 1:  # its training step overlaps the round; rank 0's blocks
+            started = time.monotonic()
+            try:
+                engine.send_weights("mixed", wait=False)
+                first: Outcome = ("ok", "a handle", 0.0)
+            except WeightwireError as exc:
+                first = type(exc).__name__, str(exc), time.monotonic() - started
+        else:
+            first = attempt(engine, "mixed")
+        return [first, attempt(engine, "next")]
+
+    zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 5.5)
+    assert one[0][0] == ConfigError.__name__ and one[0][2] < 1.0, one
+    assert "the other ranks' send_weights for it were refused too" in one[0][1]
+    # was: rank 0 waited out http_s (6 s here, 300 s by default) for rank 1's agreement,
+    # then GroupTimeout with its engine broken, and the next round failed too
+    kind, text, seconds = zero[0]
+    assert kind == "PlanError" and seconds < 2.0, zero  # a ConfigError: nothing was sent
+    assert "trainer rank 1: its send_weights(wait=False) was refused" in text
+    assert "Call send_weights() with wait=True on every rank" in text
+    assert zero[1][:2] == ("ok", "next") and one[1][:2] == ("ok", "next"), (zero, one)
+    assert served(client)[1] == "next" and served(client)[0] != before[0]
+
+
+def test_a_rank_that_gave_up_on_the_verdict_is_told_the_outcome_by_the_next_agreement(
+    server_url: str, checkpoint: dict[str, np.ndarray], client: HTTPWeightSyncClient
+) -> None:
+    timeouts = Timeouts(http_s=1, connect_s=20, warmup_s=20, transfer_s=1)
+    both = threading.Barrier(2, timeout=60)
+    settled: list[Any] = []
+
+    def rounds(rank: int, engine: Any) -> list[Outcome]:
+        multi = engine._multi
+        if rank == 0:  # its round outlasts rank 1's verdict bound (http_s x 3 + transfer_s)
+            post = multi.committed
+
+            def late(version: str) -> None:
+                time.sleep(5.0)
+                post(version)
+
+            multi.committed = late
+        slow = attempt(engine, "slow")
+        if rank == 0:
+            multi.committed = post
+        both.wait()
+        done = [slow, attempt(engine, "next")]
+        if rank == 1:
+            settled.append(getattr(multi, "settled", None))  # (none before the fix)
+        return done
+
+    zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 6.5)
+    assert zero[0][:2] == ("ok", "slow"), zero
+    kind, text, _ = one[0]
+    assert kind == GroupTimeout.__name__, one
+    # was: "did not publish 'verdict' ... (it died, hung ...)", its engine broken: the next
+    # round refused on rank 1 (EngineBroken) and so on rank 0 (RoundFailed)
+    assert "the round's outcome is unknown, it may still commit" in text
+    assert "GET /weight_info" in text and "the next round's agreement tells this rank" in text
+    assert settled == [{"version": "slow", "error": None}]
+    assert zero[1][:2] == ("ok", "next") and one[1][:2] == ("ok", "next"), (zero, one)
+    assert served(client)[1] == "next"

@@ -111,3 +111,43 @@ def test_hellos_in_an_unknown_form_are_refused(posted: Any) -> None:
 
     with pytest.raises(SlicePlanError, match="wants in an unknown form"):
         decode_hellos(posted)
+
+
+def test_a_round_refused_everywhere_before_any_byte_keeps_what_rank_zero_keeps() -> None:
+    """A follower keeps its engine (its star unaborted) exactly where the whole group refused
+    the round before any byte and rank 0's verdict says it kept its own: its "go" refused, or
+    the plan agreement refused; its own failure (its star may hold part) never keeps it."""
+    from weightwire.trainer.multi_base import RoundFailed
+
+    held = [Held("w", 0, Box.whole((4, 2))), Held("n", 0, Box.whole((2,)))]
+    plan = build_plan(METAS, Holdings.of(SHAPES, held), WANTS)
+
+    def body(x: SeveralSlicing, rank: int) -> Any:
+        kept = []
+        for verdict in ({"kept": True}, {"kept": False}):
+            x.ranks.exchange.step()
+            x.new_round()
+            if rank == 0:  # the start refused before the "go"
+                x.in_flight = True
+                x.release()
+                x.ranks.exchange.post("verdict", {"error": "WeightSyncError: asleep", **verdict})
+                assert not x.opened
+                continue
+            try:
+                x._await_go()
+            except RoundFailed as exc:
+                kept.append(x.kept_before_any_byte(exc))
+        x.ranks.exchange.step()
+        try:
+            x.agree(plan, None if rank == 0 else "SlicePlanError: no shard holds w")
+        except SlicePlanError as exc:
+            if rank == 0:
+                x.ranks.exchange.post("verdict", {"error": str(exc), "kept": True})
+                return None
+            kept.append(x.kept_before_any_byte(exc))
+        kept.append(x.kept_before_any_byte(RuntimeError("rank 1's own source failed")))
+        return kept
+
+    zero, one = on_both(body)
+    assert zero is None
+    assert one == [True, False, True, False]

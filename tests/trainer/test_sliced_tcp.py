@@ -190,7 +190,8 @@ def test_two_torch_processes_each_send_their_own_shards_pieces() -> None:
     itself: the ranks tell each other). 3 sliced rounds, both ranks sending their plan's
     bytes, every worker bit-identical to ``load_weights`` of the full tensors (checked in
     rank 0), ``full_tensor`` raising throughout. A 4th round whose start the server refuses
-    fails on rank 0 and, told by it, on rank 1 before it sends anything."""
+    fails on rank 0 and, told by it, on rank 1 before it sends anything; both keep their
+    engines, so a 5th round commits."""
     reports = two_process_reports("_sliced_torch_processes.py")
     for r0, r1 in zip(reports[0]["rounds"], reports[1]["rounds"], strict=True):
         plan = r0["rank_bytes"]
@@ -210,6 +211,9 @@ def test_two_torch_processes_each_send_their_own_shards_pieces() -> None:
         "trainer rank 0 ended the sliced round before its first byte: "
         "RuntimeError: the server refused the start"
     )
+    # round 5: no byte of round 4 went out, so every process kept its engine as rank 0 kept
+    # its own, and the next round commits on both (was: every process broke its engine)
+    assert [reports[0]["after"], reports[1]["after"]] == ["4", "4"], reports
 
 
 @pytest.mark.parametrize("value", ["on", True, None])

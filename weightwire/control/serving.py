@@ -31,8 +31,9 @@ class ServingRoutes(ServerSet):
         self._all(routes.PAUSE, params=params)
 
     def _wait_bound(self, mode: str) -> dict[str, str]:
-        """The query field that bounds a pause's wait (``routes.PAUSE_BOUNDS``), where the
-        servers take it; none here (a stock server's /pause takes no such field)."""
+        """The query field that bounds a pause's (or a sleep's) wait (``routes.PAUSE_BOUNDS``),
+        where the servers take it; none here (a stock server's /pause and /sleep take no such
+        field)."""
         return {}
 
     def resume(self) -> None:
@@ -61,12 +62,14 @@ class ServingRoutes(ServerSet):
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's ``/sleep``: level 0 pauses generation, 1 offloads weights to host memory,
-        2 discards them (send a full round after ``wake_up``). ``mode`` is the pause mode."""
+        2 discards them (send a full round after ``wake_up``). ``mode`` is the pause mode; a
+        ``wait`` carries the pause's bound where the servers take it (``_wait_bound``), so a
+        sleep this client gave up on never takes effect later."""
         if type(level) is not int or level not in routes.SLEEP_LEVELS:
             raise ConfigError(f"sleep level must be one of {routes.SLEEP_LEVELS}, got {level!r}")
         if mode not in PAUSE_MODES:
             raise ConfigError(f"sleep mode must be one of {PAUSE_MODES}, got {mode!r}")
-        self._all(routes.SLEEP, params={"level": level, "mode": mode})
+        self._all(routes.SLEEP, params={"level": level, "mode": mode, **self._wait_bound(mode)})
 
     def wake_up(self, tags: Sequence[str] | None = None) -> list[bool]:
         """vLLM's ``/wake_up`` (``tags``: weights / kv_cache / scheduling; None: all);

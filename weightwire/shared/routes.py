@@ -92,12 +92,13 @@ START_PAUSES = "start_pauses"
 
 PAUSE_BOUNDS = "pause_bounds"
 """A feature the reference server names in its init reply: a pause that waits for the running
-requests (``/pause?mode=wait``, a start's ``pause=wait``, the round in one request's) takes
-``wait_s`` (``WAIT_BOUND``), the longest its client waits for the answer: the drain stops at
-the smaller of it and the server's own bound (``--generate-timeout``), answering 504 with the
-pause it took undone, so a pause its client gave up on never takes effect later. The
-trainer's client sets it from its own request timeout (``control.client``). Stock vLLM has
-none (its /pause takes no such field): it is never sent there."""
+requests (``/pause?mode=wait``, a start's ``pause=wait``, the round in one request's,
+``/sleep?mode=wait``) takes ``wait_s`` (``WAIT_BOUND``), the longest its client waits for the
+answer: the drain stops at the smaller of it and the server's own bound (``--generate-timeout``),
+answering 504 with the pause (or the sleep) it took undone, so one its client gave up on never
+takes effect later. The trainer's client sets it from its own request timeout
+(``control.client``). Stock vLLM has none (its /pause and /sleep take no such field): it is
+never sent there."""
 
 WAIT_BOUND = "wait_s"
 """``PAUSE_BOUNDS``' query field: seconds, a positive number."""

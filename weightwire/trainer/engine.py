@@ -366,9 +366,18 @@ class TrainerEngine(FrameworkHooks):
 
     def _send_overlapped(self, weight_version: str | None, draft: bool, dense: bool) -> RoundHandle:
         if self._multi is not None:
+            if self.session.broken is None and not self._closed:
+                # The other ranks' blocking calls are in this round's agreement: they are
+                # told now and refuse too (was: they waited out http_s for this rank).
+                self._multi.refuse(
+                    "its send_weights(wait=False) was refused (a TrainerGroup's rounds stay "
+                    "blocking: every rank takes part in each); nothing of this round was sent. "
+                    "Call send_weights() with wait=True on every rank"
+                )
             raise ConfigError(
                 "send_weights(wait=False) needs a single broadcaster: with a TrainerGroup "
-                "every rank takes part in each round, so its rounds stay blocking"
+                "every rank takes part in each round, so its rounds stay blocking; nothing of "
+                "this round was sent, and the other ranks' send_weights for it were refused too"
             )
         metas = None
         if draft and self.info.is_sender:

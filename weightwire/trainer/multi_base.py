@@ -30,6 +30,10 @@ _GRACE_S = 2.0  # how long a rank waits for a failed broadcaster's own account o
 class RoundFailed(RoundError, RuntimeError):
     """Another trainer rank reported that this round failed; the message names it."""
 
+    kept_before_any_byte = False
+    """Set where rank 0 ended a sliced round before its "go" (no process wrote a byte) and
+    kept its engine (``multi_sliced``): this rank keeps its own too."""
+
 
 @dataclass(frozen=True)
 class TurnFailure:

@@ -24,7 +24,9 @@ group, so every process holds the same ``trainer.sliced.Slicing``. In a round:
 Failure rules: a process that fails aborts its star, so each worker's receive fails at once
 and the round fails on every worker (nothing commits); rank 0's round then fails and its
 verdict tells the others; a rank 0 that fails before its "go" posts a refusal instead, so
-no process waits longer than its timeouts.
+no process waits longer than its timeouts. A round refused on every process before any byte
+(rank 0's "go" refused, the plan agreement refused) keeps every engine where rank 0 keeps its
+own (a refused start); once the "go" was posted every process breaks (bytes may be out).
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ from weightwire.trainer.sole_round import sliced_round
 from weightwire.trainer.transfer import tensor_stream
 
 _GRACE_S = 2.0  # how long a sender that was refused its "go" waits for rank 0's account
+
+
+def _everywhere(message: str) -> SlicePlanError:
+    """The agreement's refusal: every process raises it, before any byte."""
+    refused = SlicePlanError(message)
+    refused.everywhere = True
+    return refused
 
 
 def slices_across(ranks: Ranks) -> bool:
@@ -83,6 +92,8 @@ class SeveralSlicing:
         """Rank 0: a sliced round's plan was agreed on this round."""
         self.went = False
         """Rank 0: this round's "go" (or its refusal) was posted."""
+        self.opened = False
+        """Rank 0: this round's "go" was posted: the other processes may have written."""
         self._held: tuple[list[str], Holdings] | None = None
         """The processes' holdings digests last exchanged, and their union."""
 
@@ -93,7 +104,7 @@ class SeveralSlicing:
             slicing.began = self.began
 
     def new_round(self) -> None:
-        self.in_flight = self.went = False
+        self.in_flight = self.went = self.opened = False
 
     # -- every rank -------------------------------------------------------------------------
 
@@ -132,12 +143,10 @@ class SeveralSlicing:
         values = x.exchange.allgather("slice_plan", mine, x.session.info.timeouts.http_s)
         for r, v in enumerate(values):
             if v.get("error"):
-                raise SlicePlanError(
-                    f"trainer rank {r} could not build the slice plan: {v['error']}"
-                )
+                raise _everywhere(f"trainer rank {r} could not build the slice plan: {v['error']}")
         differ = [r for r, v in enumerate(values) if v.get("digest") != values[0].get("digest")]
         if differ:
-            raise SlicePlanError(
+            raise _everywhere(
                 f"trainer ranks {differ} built another slice plan than rank 0: the processes "
                 "must see the same tensors (names, shapes, dtypes, shardings); pass "
                 "TrainerInitInfo(sliced='off') to broadcast"
@@ -147,7 +156,7 @@ class SeveralSlicing:
 
     def began(self) -> None:
         """Rank 0's control plane ran: the other processes may send."""
-        self.went = True
+        self.went = self.opened = True
         self.ranks.exchange.post("slice_go", True)
 
     def release(self) -> None:
@@ -162,10 +171,28 @@ class SeveralSlicing:
         t = self.ranks.session.info.timeouts
         x = self.ranks
         if not x.exchange.get("slice_go", 0, 2 * t.http_s + t.transfer_s):
-            why = ""
+            why, kept = "", False
             with contextlib.suppress(GroupTimeout):  # rank 0 posts its verdict right after
-                why = f": {x.exchange.get('verdict', 0, _GRACE_S).get('error')}"
-            raise RoundFailed(f"trainer rank 0 ended the sliced round before its first byte{why}")
+                verdict = x.exchange.get("verdict", 0, _GRACE_S)
+                why, kept = f": {verdict.get('error')}", bool(verdict.get("kept"))
+            refused = RoundFailed(
+                f"trainer rank 0 ended the sliced round before its first byte{why}"
+            )
+            refused.kept_before_any_byte = kept
+            raise refused
+
+    def kept_before_any_byte(self, exc: BaseException) -> bool:
+        """A non-zero rank's sliced round failed before any process wrote a byte, on every
+        rank at once (rank 0 refused its "go", or the processes' plan agreement refused the
+        round), and rank 0 kept its engine: this rank keeps its own too, its star unaborted,
+        as a broadcast round's refused start leaves every rank usable (was: every rank broke,
+        though no worker had received anything)."""
+        if isinstance(exc, RoundFailed):
+            return exc.kept_before_any_byte
+        if isinstance(exc, SlicePlanError) and exc.everywhere:
+            with contextlib.suppress(GroupTimeout):  # rank 0 raised it too: its verdict follows
+                return bool(self.ranks.exchange.get("verdict", 0, _GRACE_S).get("kept"))
+        return False
 
     def follow(self, metas: list[ParamMeta], draft: bool) -> Sent | None:
         """A non-zero rank's part of a sliced round: its pieces on its own star (``None``:

@@ -30,12 +30,17 @@ failed turn names its broadcaster (rank and ``src``) and that rank's own error w
 reported one; a failure leaves the engine broken on every rank exactly where it leaves
 rank 0's broken, as for a single-sender round (a start refused by its servers, a refusal
 before any call or a failed verification after a committed round do not), and always after
-several broadcasters' or a sliced round's failure (the other ranks' wires took part). The
+several broadcasters' failure or a sliced round's once rank 0 told the others "go" (their
+wires took part; a sliced round refused before it, no byte out, keeps them as rank 0). The
 ranks name the same ``weight_version`` (or leave it to rank 0). A rank that gives up on a
 round's agreement is out of step: its engine is broken, rank 0's verdict tells a late rank
-at once, and a rank 0 that comes after another gave up runs no round. A rank that shuts
-down, or whose engine is broken, posts the next agreement as its leaving: the others'
-next round fails at once naming it.
+at once, and a rank 0 that comes after another gave up runs no round. A rank that gives up
+on rank 0's verdict does not know the outcome (rank 0 may still commit): its engine stays
+usable and the next round's agreement carries rank 0's last verdict (``settled``). A rank
+that shuts down, or whose engine is broken, posts the next agreement as its leaving: the others'
+next round fails at once naming it; a rank that refuses a round before its agreement
+(``send_weights(wait=False)``) posts its refusal as it, so every rank refuses that round at
+once and stays usable.
 ``weightwire_tcp`` and ``weightwire_nccl`` run several broadcasters (``check_receiver``);
 a single-broadcaster plan is the engine's own one-turn round, its verdict published.
 """
@@ -125,6 +130,14 @@ class MultiSource:
         # where the source names no broadcasters (no owners: rank 0 would send alone).
         self.slicing: SeveralSlicing | None = None
         self._told = False  # rank 0: this round's verdict is posted
+        self._last: dict[str, Any] | None = None
+        """Rank 0: its last verdict, told in the next round's agreement (``_settle``)."""
+        self._unsettled = False
+        """Not rank 0: it gave up on the last round's verdict, so that round's outcome is
+        unknown here until the next round's agreement tells it (``_settle``)."""
+        self.settled: dict[str, Any] | None = None
+        """Not rank 0: the outcome of a round whose verdict this rank gave up on, as the next
+        round's agreement told it: ``version`` (committed) or ``error``."""
 
     # -- agreement ----------------------------------------------------------------------
 
@@ -314,10 +327,13 @@ class MultiSource:
             asked = s.next_version(version) if self.rank == 0 else version
             bound = s.info.timeouts.http_s
             try:
+                told: dict[str, Any] = {"version": asked, "at": time.time()}
+                if self.rank == 0:
+                    told["last"] = self._last  # for a rank that gave up on its verdict
                 agreed = self._agree(
                     "round",
                     metas,
-                    {"version": asked, "at": time.time()},
+                    told,
                     None,
                     bound,
                     fits=not draft,
@@ -329,6 +345,8 @@ class MultiSource:
             except GroupTimeout as exc:
                 self._gave_up(exc)
                 raise
+            if self._unsettled:
+                self._settle(agreed.values[0].get("last"))
             check_versions([v.get("version") for v in agreed.values])
             bplan = agreed.plan
             if self.rank != 0 and (bplan.multi or self.slicing is not None):
@@ -355,7 +373,9 @@ class MultiSource:
                     if self.slicing is not None:
                         sent = self.slicing.follow(metas, draft)
                 except BaseException as exc:
-                    self.ranks.break_(exc)  # aborts this star: the workers fail the round now
+                    assert self.slicing is not None
+                    if not self.slicing.kept_before_any_byte(exc):
+                        self.ranks.break_(exc)  # aborts this star: the workers fail it now
                     raise
                 if sent is None:
                     try:
@@ -387,6 +407,17 @@ class MultiSource:
             self.exchange.post("round", {"digest": None, "error": None, "left": left})
         except Exception as exc:  # a store already gone: the others' bound still holds
             logger.debug("could not tell the group this rank left: %s", exc)
+
+    def refuse(self, why: str) -> None:
+        """This rank refuses this round before its agreement (a call the group cannot run):
+        it posts the refusal as its agreement, so every other rank's same round is refused at
+        once naming it (``_agree``'s ``PlanError``), and every rank stays in step and usable
+        for the next round (was: they waited out ``http_s`` for this rank's post)."""
+        self.exchange.step()
+        try:
+            self.exchange.post("round", {"digest": None, "error": why})
+        except Exception as exc:  # a store already gone: the others' bound still holds
+            logger.debug("could not tell the group this rank refused the round: %s", exc)
 
     def _note_outcome(self, exc: BaseException) -> None:
         """This rank's own pass over its source failed while rank 0 sends the round alone
@@ -484,14 +515,55 @@ class MultiSource:
     def _await_verdict(self, bplan: BroadcastPlan | None) -> dict[str, Any]:
         t = self.session.info.timeouts
         turns = 1 if bplan is None else len(bplan.turns)
+        bound = t.http_s * (turns + 2) + t.transfer_s
         try:
-            verdict = self.exchange.get("verdict", 0, t.http_s * (turns + 2) + t.transfer_s)
-        except GroupTimeout as exc:
-            self.ranks.break_(exc)
-            raise
+            verdict = self.exchange.get("verdict", 0, bound)
+        except GroupTimeout:
+            # This rank's part is done; rank 0's may still commit the round (a longer round
+            # than this bound): its outcome is unknown, not failed. The engine stays usable
+            # and the next round's agreement tells the outcome (was: broken here, reported
+            # failed, and the round could commit afterwards).
+            self._unsettled = True
+            raise GroupTimeout(
+                f"trainer rank 0 did not post this round's verdict within {bound:g} s "
+                f"(http_s x {turns + 2} + transfer_s): the round's outcome is unknown, it "
+                "may still commit. Read the servers' weight_version (GET /weight_info, "
+                "client.weight_info()), or call send_weights again: the next round's "
+                "agreement tells this rank what rank 0 committed (MultiSource.settled)"
+            ) from None
         if verdict["error"]:
             raise self._failure(verdict)
         return verdict
+
+    def _settle(self, last: dict[str, Any] | None) -> None:
+        """The round whose verdict this rank gave up on ended as rank 0's ``last`` verdict,
+        told in this round's agreement: kept in ``settled`` and logged; a failure rank 0 did
+        not survive breaks this engine as it broke rank 0's."""
+        self._unsettled = False
+        if not isinstance(last, dict):
+            return
+        self.settled = {"version": last.get("version"), "error": last.get("error")}
+        if last.get("error"):
+            logger.warning(
+                "trainer rank %d: the previous round, whose verdict it gave up on, failed on "
+                "rank 0: %s",
+                self.rank,
+                last["error"],
+            )
+            if not last.get("committed") and not last.get("kept"):
+                failure = RoundFailed(
+                    f"trainer rank 0 reported the previous round failed after this rank gave "
+                    f"up on its verdict, and broke its engine: {last['error']}"
+                )
+                self.ranks.break_(failure)
+                raise failure
+            return
+        logger.warning(
+            "trainer rank %d: the previous round, whose verdict it gave up on, was committed "
+            "by rank 0 as version %r",
+            self.rank,
+            last.get("version"),
+        )
 
     def _failure(self, verdict: dict[str, Any]) -> RoundFailed:
         """Rank 0's verdict of a failed round, as this rank's error."""
@@ -507,15 +579,18 @@ class MultiSource:
 
     def committed(self, version: str) -> None:
         self._told = True
-        self.exchange.post("verdict", {"error": None, "version": version})
+        self._last = {"error": None, "version": version}
+        self.exchange.post("verdict", self._last)
 
     def failed(self, exc: BaseException, *, committed: bool) -> None:
         self._told = True
         verdict: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}", "version": None}
         if self.slicing is not None:
-            sliced = self.slicing.in_flight
+            # the other processes wrote (or aborted their stars) only once told "go": before
+            # it they keep their engines as rank 0 keeps its own (kept_before_any_byte)
+            opened = self.slicing.in_flight and self.slicing.opened
             self.slicing.release()  # the other senders may be waiting for their "go"
-            if sliced and not committed:  # every other process aborted its star
+            if opened and not committed:
                 self.ranks.break_(exc)
         bplan = self.ranks.round
         if bplan is not None and bplan.multi:
@@ -526,4 +601,5 @@ class MultiSource:
                 self.ranks.go(turn, False)
         # the others keep their engines exactly when rank 0 keeps its own
         verdict["kept"] = self.session.broken is None
+        self._last = verdict
         self.exchange.post("verdict", verdict)

@@ -29,6 +29,10 @@ class SlicePlanError(ConfigError):
     """The holdings or wants do not fit the session's tensors, or a wanted element is
     held by no trainer rank."""
 
+    everywhere = False
+    """Raised by the processes' plan agreement (``multi_sliced``): on every process, before
+    any byte."""
+
 
 @dataclass(frozen=True)
 class Held:

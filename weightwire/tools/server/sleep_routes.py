@@ -1,7 +1,8 @@
 """``/sleep``, ``/wake_up``, ``/is_sleeping``: vLLM's sleep-mode routes on the reference server.
 
 Same query parameters and replies as vLLM's dev-mode router: ``/sleep?level=0|1|2&mode=
-abort|wait|keep`` -> ``{"status": "sleeping", "level": N}``; ``/wake_up?tags=weights&
+abort|wait|keep`` -> ``{"status": "sleeping", "level": N}`` (and, as a pause that waits,
+``wait_s`` with ``mode=wait``: ``routes.PAUSE_BOUNDS``); ``/wake_up?tags=weights&
 tags=kv_cache`` (no tags: everything) -> ``{"status": "awake"|"sleeping", "tags": [...]}``.
 Generation is held from ``/sleep`` until the workers are fully awake again (a hold of
 its own: ``/wake_up`` never lifts a trainer's ``/pause``); what each level frees is in
@@ -24,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from weightwire.shared.routes import PAUSE_MODES, SLEEP_LEVELS, WAKE_TAGS
+from weightwire.tools.server.after_commit import wait_bound_query
 from weightwire.tools.server.replicas import FanOutError
 from weightwire.tools.server.state import ServerState
 from weightwire.tools.server.web import ApiError, query_once, read_no_body
@@ -50,12 +52,15 @@ def install_sleep_routes(app: FastAPI, state: ServerState) -> None:
         except FanOutError as exc:
             raise ApiError(exc.status, f"{op} failed: {exc}") from None
 
-    async def put_to_sleep(level: int, mode: str) -> list[Any]:
+    async def put_to_sleep(level: int, mode: str, wait_s: float | None) -> list[Any]:
         if mode == "abort":
             with contextlib.suppress(FanOutError):
                 await pool.fan_out("cancel", timeout=_CANCEL_TIMEOUT_S)
         elif mode == "wait":
-            await gate.drain(opts.generate_timeout_s)
+            # Bounded by the client's wait too (PAUSE_BOUNDS): past it the client has given
+            # up, so the sleep fails (504) and is undone rather than landing later.
+            bound = opts.generate_timeout_s
+            await gate.drain(bound if wait_s is None else min(bound, wait_s))
         if not level:
             return []
         try:
@@ -105,6 +110,7 @@ def install_sleep_routes(app: FastAPI, state: ServerState) -> None:
                 422, f"mode must be one of {list(PAUSE_MODES)}, got {mode[:20]!r}", param="mode"
             )
         level = int(raw)
+        bound = wait_bound_query(request, mode, "mode")  # advertised (PAUSE_BOUNDS)
         session.check_no_round("sleep")
         if slept.level is not None and slept.level >= level:
             return {"status": "sleeping", "level": slept.level}  # already that deep: nothing to do
@@ -112,7 +118,7 @@ def install_sleep_routes(app: FastAPI, state: ServerState) -> None:
             held = gate.sleep_mode
             gate.hold_for_sleep(mode)
             try:
-                replies = await put_to_sleep(level, mode)
+                replies = await put_to_sleep(level, mode, bound)
             except ApiError as exc:
                 note = await undo(level, held)
                 log.warning("/sleep?level=%d failed: %s; %s", level, exc.message, note)
