@@ -33,7 +33,8 @@ BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 NEEDS = re.compile(r"# needs: \S")
 QUICK_START_MARK = "<!-- tests/cli/test_readme.py runs this block against a reference server -->"
 URL = "http://127.0.0.1:8000"
-MOST_NOT_RUN = 3  # the blocks that truly need a GPU or vLLM; everything else runs
+PYTHON_ALIASES = {"py", "python3", "Python", "pycon"}
+MOST_NOT_RUN = 4  # the blocks that truly need a GPU or vLLM; everything else runs
 
 
 class Block(NamedTuple):
@@ -65,6 +66,17 @@ def test_every_block_runs_or_says_what_it_needs() -> None:
     assert len(NOT_RUN) <= MOST_NOT_RUN, [b.where for b in NOT_RUN]
     assert sum(b.after_quick_start_mark for b in BLOCKS) == 1
     assert len(TO_RUN) >= 5, [b.where for b in TO_RUN]  # torch Quick start, LoRA x2, ...
+
+
+def test_python_blocks_are_fenced_as_python() -> None:
+    # A ```py block is Python this module never sees: neither run nor counted as not run.
+    others = [
+        f"{doc.relative_to(ROOT)}:{doc.read_text().count(chr(10), 0, m.start()) + 1}"
+        for doc in DOCS
+        for m in BLOCK.finditer(doc.read_text())
+        if m[1] in PYTHON_ALIASES
+    ]
+    assert others == [], f"fence these as ```python: {others}"
 
 
 @pytest.fixture(scope="module")
