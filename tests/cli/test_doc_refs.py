@@ -1,8 +1,9 @@
-"""What the user pages name exists: every link between pages resolves (its anchor too), every
-``--flag`` a page gives a ``weightwire`` command is one of that command's options, and every
-exception class a page names is in the tree of ``weightwire/shared/errors.py`` (or is one of the
-named outside classes a user may meet). Read from the pages' text alone: fast, nothing run.
-(Python blocks run in ``test_doc_blocks.py``; the README's commands parse in ``test_readme.py``.)
+"""What the pages name exists: every link between pages resolves (its anchor too), every path
+in the repository they name is there, every ``--flag`` a page gives a ``weightwire`` command is
+one of that command's options, and every exception class a user page names is in the tree of
+``weightwire/shared/errors.py`` (or is one of the named outside classes a user may meet). Read
+from the pages' text alone: fast, nothing run. (Python blocks run in ``test_doc_blocks.py``; the
+README's commands parse in ``test_readme.py``.)
 """
 
 from __future__ import annotations
@@ -174,3 +175,16 @@ def test_every_exception_a_page_names_exists(page: Path) -> None:
         f"{_rel(page)} names exception classes that do not exist (the tree: "
         "weightwire/shared/errors.py's docstring)"
     )
+
+
+REPO_PATH = re.compile(
+    r"`((?:weightwire|docs|benchmarks|tests|examples|\.ci)/[\w./-]*?)(?:::\w+)?`"
+)
+PROTOCOL_LABEL = re.compile(r"weightwire/[\w/]+/v\d+")  # a handshake's label, no file
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_every_repository_path_a_page_names_exists(page: Path) -> None:
+    named = {p.rstrip("/.") for p in REPO_PATH.findall(page.read_text())}
+    gone = sorted(p for p in named if not PROTOCOL_LABEL.fullmatch(p) and not (ROOT / p).exists())
+    assert gone == [], f"{_rel(page)} names paths that do not exist: {gone}"
