@@ -1,14 +1,15 @@
 """What the pages name exists: every link between pages resolves (its anchor too), every path
-in the repository they name is there, every ``--flag`` a page gives a ``weightwire`` command is
-one of that command's options, and every exception class a user page names is in the tree of
-``weightwire/shared/errors.py`` (or is one of the named outside classes a user may meet). Read
-from the pages' text alone: fast, nothing run. (Python blocks run in ``test_doc_blocks.py``; the
-README's commands parse in ``test_readme.py``.)
+in the repository and every ``weightwire.module.Name`` they name is there, every ``--flag`` a
+page gives a ``weightwire`` command is one of that command's options, and every exception class
+a user page names is in the tree of ``weightwire/shared/errors.py`` (or is one of the named
+outside classes a user may meet). Read from the pages' text alone: fast, nothing run. (Python
+blocks run in ``test_doc_blocks.py``; the README's commands parse in ``test_readme.py``.)
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import builtins
 import re
 import shlex
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import weightwire
 from weightwire.shared import errors
 from weightwire.tools import cli
 from weightwire.tools.bench import comm, sync
@@ -188,3 +190,40 @@ def test_every_repository_path_a_page_names_exists(page: Path) -> None:
     named = {p.rstrip("/.") for p in REPO_PATH.findall(page.read_text())}
     gone = sorted(p for p in named if not PROTOCOL_LABEL.fullmatch(p) and not (ROOT / p).exists())
     assert gone == [], f"{_rel(page)} names paths that do not exist: {gone}"
+
+
+DOTTED = re.compile(r"`(weightwire(?:\.\w+)+)")
+
+
+def _top_level_names(source: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def _names_a_real_thing(dotted: str) -> bool:
+    """``weightwire.a.b.C`` is module ``weightwire/a/b`` defining ``C`` (read, not imported:
+    a module may need vLLM or a GPU); ``weightwire.X`` is a name ``weightwire`` exports."""
+    parts = dotted.split(".")
+    if len(parts) == 2 and hasattr(weightwire, parts[1]):
+        return True
+    for cut in range(len(parts), 1, -1):
+        base = ROOT.joinpath(*parts[:cut])
+        module = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+        if module.exists():
+            rest = parts[cut:]
+            return not rest or (len(rest) <= 2 and rest[0] in _top_level_names(module))
+    return False
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_every_dotted_weightwire_name_a_page_gives_exists(page: Path) -> None:
+    gone = sorted({d for d in DOTTED.findall(page.read_text()) if not _names_a_real_thing(d)})
+    assert gone == [], f"{_rel(page)} names modules or objects that do not exist: {gone}"
