@@ -159,7 +159,7 @@ def test_every_flag_a_page_gives_a_command_is_one_of_its_options() -> None:
                 seen += 1
                 if flag not in options:
                     unknown.append(f"{_rel(page)}: weightwire {command} {flag}")
-    assert seen > 40  # the pages' commands were read
+    assert seen >= 20  # the pages' commands were read (about 50 flags today)
     assert unknown == [], unknown
 
 
