@@ -68,3 +68,19 @@ def test_the_vllm_names_exist_in_vllm() -> None:
     )
     defined = set(re.findall(r"^(?:class|def) (\w+)", code, re.M))
     assert sorted(names - defined) == []
+
+
+def test_every_name_the_page_gives_is_exported_or_says_its_module() -> None:
+    # The page opens with "everything below is importable from `weightwire` itself": a name
+    # it gives that weightwire does not export says its module right after it.
+    ours = DOC.split("## weightwire's names and vLLM's\n", 1)[0]  # that table: both sides' names
+    unexported = sorted(
+        {
+            m[1]
+            for m in re.finditer(r"`([A-Z][A-Za-z0-9]+)[`.(]([^\n]{0,20})", ours)
+            if not hasattr(weightwire, m[1])
+            and m[1] != "Engine"  # `Engine.trainer_init(...)`: either engine
+            and not re.match(r"` \(`weightwire\.", "`" + m[2])
+        }
+    )
+    assert unexported == [], f"export these, or give their module: {unexported}"
