@@ -1,7 +1,7 @@
 """``docs/concepts.md`` names real things: every weightwire name in its tables is exported by
-``weightwire``, every backend it lists is a registered one, and (given a vLLM source tree in
-``WEIGHTWIRE_VLLM_SRC``, as for the interop lane's framing tests) every vLLM name it maps to is
-a class or function of that vLLM."""
+``weightwire`` (one in its prose is, or says its module), every backend it lists is a
+registered one, and (given a vLLM source tree in ``WEIGHTWIRE_VLLM_SRC``, as for the interop
+lane's framing tests) every vLLM name it maps to is a class or function of that vLLM."""
 
 from __future__ import annotations
 
