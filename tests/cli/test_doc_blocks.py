@@ -14,6 +14,8 @@ after the README's set-up command, and is left out here.
 
 from __future__ import annotations
 
+import ast
+import builtins
 import os
 import re
 import subprocess
@@ -33,7 +35,8 @@ BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 NEEDS = re.compile(r"# needs: \S")
 QUICK_START_MARK = "<!-- tests/cli/test_readme.py runs this block against a reference server -->"
 URL = "http://127.0.0.1:8000"
-MOST_NOT_RUN = 3  # the blocks that truly need a GPU or vLLM; everything else runs
+PYTHON_ALIASES = {"py", "python3", "Python", "pycon"}
+MOST_NOT_RUN = 4  # the blocks that truly need a GPU or vLLM; everything else runs
 
 
 class Block(NamedTuple):
@@ -65,6 +68,47 @@ def test_every_block_runs_or_says_what_it_needs() -> None:
     assert len(NOT_RUN) <= MOST_NOT_RUN, [b.where for b in NOT_RUN]
     assert sum(b.after_quick_start_mark for b in BLOCKS) == 1
     assert len(TO_RUN) >= 5, [b.where for b in TO_RUN]  # torch Quick start, LoRA x2, ...
+
+
+def _free_names(code: str) -> set[str]:
+    """Names ``code`` reads that it never binds (imports, assignments, defs, loop targets,
+    parameters) and that are no builtins: what its reader must bring."""
+    tree = ast.parse(code)
+    bound = set(vars(builtins))
+    read: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return read - bound
+
+
+def test_a_block_not_run_names_what_it_needs_and_imports_the_rest() -> None:
+    # Not run, such a block is checked here only: every name it reads is imported or
+    # defined in it, or is something its "# needs:" line tells the reader to bring.
+    unnamed: dict[str, list[str]] = {}
+    for block in NOT_RUN:
+        needs = set(re.findall(r"\w+", block.code.splitlines()[0]))
+        missing = sorted(_free_names(block.code) - needs)
+        if missing:
+            unnamed[block.where] = missing
+    assert unnamed == {}, f"import these, or name them on the block's # needs: line: {unnamed}"
+
+
+def test_python_blocks_are_fenced_as_python() -> None:
+    # A ```py block is Python this module never sees: neither run nor counted as not run.
+    others = [
+        f"{doc.relative_to(ROOT)}:{doc.read_text().count(chr(10), 0, m.start()) + 1}"
+        for doc in DOCS
+        for m in BLOCK.finditer(doc.read_text())
+        if m[1] in PYTHON_ALIASES
+    ]
+    assert others == [], f"fence these as ```python: {others}"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """``docs/concepts.md`` names real things: every weightwire name in its tables is exported by
-``weightwire``, every backend it lists is a registered one, and (given a vLLM source tree in
-``WEIGHTWIRE_VLLM_SRC``, as for the interop lane's framing tests) every vLLM name it maps to is
-a class or function of that vLLM."""
+``weightwire`` (one in its prose is, or says its module), every backend it lists is a
+registered one, and (given a vLLM source tree in ``WEIGHTWIRE_VLLM_SRC``, as for the interop
+lane's framing tests) every vLLM name it maps to is a class or function of that vLLM."""
 
 from __future__ import annotations
 
@@ -68,3 +68,19 @@ def test_the_vllm_names_exist_in_vllm() -> None:
     )
     defined = set(re.findall(r"^(?:class|def) (\w+)", code, re.M))
     assert sorted(names - defined) == []
+
+
+def test_every_name_the_page_gives_is_exported_or_says_its_module() -> None:
+    # The page opens with "everything below is importable from `weightwire` itself": a name
+    # it gives that weightwire does not export says its module right after it.
+    ours = DOC.split("## weightwire's names and vLLM's\n", 1)[0]  # that table: both sides' names
+    unexported = sorted(
+        {
+            m[1]
+            for m in re.finditer(r"`([A-Z][A-Za-z0-9]+)[`.(]([^\n]{0,20})", ours)
+            if not hasattr(weightwire, m[1])
+            and m[1] != "Engine"  # `Engine.trainer_init(...)`: either engine
+            and not re.match(r"` \(`weightwire\.", "`" + m[2])
+        }
+    )
+    assert unexported == [], f"export these, or give their module: {unexported}"

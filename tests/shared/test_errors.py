@@ -261,6 +261,26 @@ def test_docs_errors_md_shows_the_public_tree() -> None:
         assert name not in doc, f"docs/errors.md names the internal {name}"
 
 
+def test_docs_errors_md_names_exactly_the_classes_weightwire_exports() -> None:
+    # The page's "also exported by `weightwire` itself" sentence is how a user learns which
+    # import to write; an exported class left out of it (or one named there but not exported)
+    # sends them to the wrong module.
+    doc = (PACKAGE.parent / "docs" / "errors.md").read_text()
+    sentence = re.search(r"\n\n(`ConfigError`[^.]*?) are also\s+exported by `weightwire`", doc)
+    assert sentence, "docs/errors.md lost its sentence of the classes `weightwire` exports"
+    named = set(re.findall(r"`(\w+)`", sentence[1]))
+    exported = {
+        name
+        for name in weightwire.__all__
+        if isinstance(getattr(weightwire, name), type)
+        and issubclass(getattr(weightwire, name), BaseException)
+    } - {"WeightwireError"}  # the page's first line imports it
+    assert named == exported | {"RoundHandle"}, {
+        "exported, not named": sorted(exported - named),
+        "named, not exported": sorted(named - exported - {"RoundHandle"}),
+    }
+
+
 def test_every_class_defined_in_the_errors_module_is_in_the_tree_and_documented() -> None:
     documented = {name for _, name, _, module in _documented_tree() if module == ERRORS_MODULE}
     defined = _defined_classes()

@@ -1,4 +1,5 @@
-"""The worked example of docs/wire-format.md §5/§6, number for number.
+"""The worked example of docs/wire-format.md §5/§6, number for number; its §8 version gates
+are the code's.
 
 The numbers are copied from the document (not parsed from it): if the code or the
 document changes, this file is the place where the two must be made to agree again.
@@ -6,9 +7,15 @@ document changes, this file is the place where the two must be made to agree aga
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from weightwire.shared import WIRE_DTYPES, UpdateInfo, plan_packed, plan_unpacked
+from weightwire.shared.version import FEATURES
+
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "wire-format.md").read_text()
 
 EXAMPLE = {
     "names": [
@@ -69,3 +76,16 @@ def test_doc_dtype_table_nccl_column() -> None:
         "float8_e5m2": 1,
         "bool": 1,
     }
+
+
+def test_the_version_gates_table_is_the_codes() -> None:
+    # §8 says weightwire "decides from this table": each gate of shared/version.py, at its
+    # first version, and "not assumed of releases newer" exactly where it does not carry forward.
+    section = DOC.split("## 8. Version gates", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\d+)\.(\d+) \| `(\w+)` \| (.*) \|$", section, re.M)
+    documented = {
+        name: ((int(major), int(minor)), "not assumed of releases newer" not in what)
+        for major, minor, name, what in rows
+    }
+    assert len(documented) == len(rows), "a gate listed twice"
+    assert documented == {f.name: (f.first, f.carries_forward) for f in FEATURES}

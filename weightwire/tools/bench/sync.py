@@ -11,8 +11,8 @@ tensors) ``.trainer_init(TrainerInitInfo(backend="weightwire_nccl", ...))`` and
 (``Sink.load_weights`` only counts what arrived) behind one of two control planes:
 
 - ``http``: the reference server's routes (FastAPI app, uvicorn, loopback) driven by
-  ``HTTPWeightSyncClient`` -- what a trainer pays against a server (``bench_sync_http.py``);
-- ``shim``: one JSON line per call over a fresh local socket (``bench_sync_shim.py``),
+  ``HTTPWeightSyncClient`` -- what a trainer pays against a server (``sync_http.py``);
+- ``shim``: one JSON line per call over a fresh local socket (``sync_shim.py``),
   for hosts without fastapi/uvicorn.
 
 Per config: seconds per round (median of ``--rounds`` after ``--warmup``), GB/s
