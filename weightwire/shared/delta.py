@@ -15,16 +15,16 @@ numpy-only, like the rest of ``weightwire.shared``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.limits import LIMITS, bounded_repr
-from weightwire.shared.meta import validate_shape
+from weightwire.shared.meta import RowView, validate_shape
 
 INDEX_SUFFIX = "@index"
 VALUES_SUFFIX = "@values"
@@ -73,7 +73,7 @@ class Patch:
         return (self.name, self.dtype, self.shape, self.nnz, self.encoding)
 
 
-class PatchRows(Sequence[Patch]):
+class PatchRows(RowView[Patch]):
     """A round's patches as their entries (``PatchEntry``: tuples of atoms, untracked by the
     collector), each ``Patch`` made as it is read: a worker's delta update holds no record
     per patch through the round (#49)."""
@@ -86,29 +86,11 @@ class PatchRows(Sequence[Patch]):
     def __len__(self) -> int:
         return len(self.entries)
 
-    @overload
-    def __getitem__(self, i: int) -> Patch: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> PatchRows: ...
-
-    def __getitem__(self, i: int | slice) -> Patch | PatchRows:
-        if isinstance(i, slice):
-            return PatchRows(self.entries[i])
+    def _row(self, i: int) -> Patch:
         return Patch(*self.entries[i])
 
-    def __iter__(self) -> Iterator[Patch]:
-        return (Patch(*e) for e in self.entries)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (PatchRows, list, tuple)):
-            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"PatchRows({list(self)!r})"
+    def _rows(self, i: slice) -> PatchRows:
+        return PatchRows(self.entries[i])
 
 
 def check_token(field: str, value: str | None) -> None:

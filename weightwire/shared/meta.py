@@ -6,11 +6,13 @@ import json
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, Self, TypeVar, overload
 
 from weightwire.shared.dtypes import wire_dtype
 from weightwire.shared.errors import ConfigError
 from weightwire.shared.limits import LIMITS, bounded_repr
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,47 @@ class ParamMeta:
         return cls.from_dict(load_json(text, "ParamMeta"))
 
 
-class MetaRows(Sequence[ParamMeta]):
+class RowView(Sequence[T]):
+    """A sequence of records held as rows of atoms (untracked by the collector), each record
+    made as it is read: a round's listing or patches held through the round are then one
+    object, not one per tensor (#49). A subclass says how many rows it has, how one row reads
+    as its record and how a slice of rows reads; equal to a list of the same records."""
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def _row(self, i: int) -> T:
+        raise NotImplementedError
+
+    def _rows(self, i: slice) -> Self:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Self: ...
+
+    def __getitem__(self, i: int | slice) -> T | Self:
+        return self._rows(i) if isinstance(i, slice) else self._row(i)
+
+    def __iter__(self) -> Iterator[T]:
+        return map(self._row, range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (type(self), list, tuple)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} rows)"
+
+
+class MetaRows(RowView[ParamMeta]):
     """A round's wire listing as three parallel sequences (names, wire dtypes, shapes), each
     ``ParamMeta`` made as it is read (``ParamMeta.trusted``: the rows were checked already).
 
@@ -147,37 +189,14 @@ class MetaRows(Sequence[ParamMeta]):
     def __len__(self) -> int:
         return len(self.names)
 
-    @overload
-    def __getitem__(self, i: int) -> ParamMeta: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> MetaRows: ...
-
-    def __getitem__(self, i: int | slice) -> ParamMeta | MetaRows:
-        if isinstance(i, slice):
-            return MetaRows(self.names[i], self.dtypes[i], self.shapes[i])
+    def _row(self, i: int) -> ParamMeta:
         return ParamMeta.trusted(self.names[i], self.dtypes[i], self.shapes[i])
+
+    def _rows(self, i: slice) -> MetaRows:
+        return MetaRows(self.names[i], self.dtypes[i], self.shapes[i])
 
     def __iter__(self) -> Iterator[ParamMeta]:
         return map(ParamMeta.trusted, self.names, self.dtypes, self.shapes)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, MetaRows):
-            return (
-                list(self.names) == list(other.names)
-                and list(self.dtypes) == list(other.dtypes)
-                and [tuple(s) for s in self.shapes] == [tuple(s) for s in other.shapes]
-            )
-        if isinstance(other, (list, tuple)):
-            return len(other) == len(self) and all(
-                isinstance(m, ParamMeta) and m == mine for m, mine in zip(other, self, strict=True)
-            )
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"MetaRows({len(self)} tensors)"
 
 
 def load_json(text: object, ctx: str) -> object:
