@@ -195,9 +195,15 @@ if __name__ == "__main__":
     sys.exit(_subprocess_main())
 
 
+DRILL_ARGS = ["--decode-step-delay", "0.02"]
+"""Server flags for a drill against a running generation: 240 steps take >= 4.8 s."""
+
+
 def running_generation(url: str) -> tuple[threading.Thread, list[httpx.Response]]:
     """A long greedy completion posted on a thread, returned once the server's replica 0
-    holds it (``generations_in_flight`` > 0); its response lands in the list."""
+    holds it (``generations_in_flight`` > 0); its response lands in the list. The server
+    must run with ``DRILL_ARGS``: without the step delay a fast machine finishes the
+    240 tokens before the drill's bound."""
     out: list[httpx.Response] = []
     body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
     t = threading.Thread(

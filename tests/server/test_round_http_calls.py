@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.server._server_sender import running_generation
+from tests.server._server_sender import DRILL_ARGS, running_generation
 from weightwire.control import HTTPWeightSyncClient
 from weightwire.shared.routes import Route
 from weightwire.tools.server.call_clock import HEADER, parse_server_timing
@@ -20,7 +20,7 @@ from weightwire.tools.server.call_clock import HEADER, parse_server_timing
 
 @pytest.fixture(scope="module")
 def server(server_factory: Any, tiny_llama: str) -> Any:
-    return server_factory(["--model", tiny_llama])
+    return server_factory(["--model", tiny_llama, *DRILL_ARGS])
 
 
 class Routes(HTTPWeightSyncClient):

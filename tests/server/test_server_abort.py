@@ -8,14 +8,14 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server._server_sender import running_generation
+from tests.server._server_sender import DRILL_ARGS, running_generation
 from weightwire.control import HTTPWeightSyncClient
 from weightwire.shared.errors import WeightSyncError
 
 
 @pytest.fixture(scope="module")
 def server(server_factory, tiny_llama: str):
-    return server_factory(["--model", tiny_llama, "--replicas", "1"])
+    return server_factory(["--model", tiny_llama, "--replicas", "1", *DRILL_ARGS])
 
 
 @pytest.fixture(scope="module")

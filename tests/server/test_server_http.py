@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _server_sender import TCPSender, VLLMStyleClient
+from _server_sender import DRILL_ARGS, TCPSender, VLLMStyleClient
 from malformed_bodies import MALFORMED_BODIES
 
 from weightwire.shared.routes import ROUTES
@@ -35,6 +35,7 @@ def server(server_factory, tiny_llama: str, tmp_path_factory: pytest.TempPathFac
             str(key_file),
             "--max-body-bytes",
             "65536",
+            *DRILL_ARGS,
         ],
         env={"WEIGHTWIRE_TIMEOUT_CONNECT_S": "2"},
     )  # the dead-sender test waits this long

@@ -63,6 +63,11 @@ def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
             "no such directory (or pass tiny-llama / tiny-qwen2)",
         ),
         (["--model", "tiny-llama", "--backend", "nccl"], 2, "invalid choice: 'nccl'"),
+        (
+            ["--model", "tiny-llama", "--decode-step-delay", "nan"],
+            2,
+            "--decode-step-delay must be in [0, 10] seconds, got nan",
+        ),
     ],
 )
 def test_cli_errors_exit_nonzero_with_a_reason(argv, code, message, capsys, tiny_cache) -> None:

@@ -197,6 +197,7 @@ async def _serve(args: argparse.Namespace, served: list[bool]) -> int:
         max_reply_bytes=args.max_reply_bytes,
         check_finite=args.check_finite,
         max_lora_rank=args.max_lora_rank if args.enable_lora else 0,
+        decode_step_delay_s=args.decode_step_delay,
     )
     try:
         pool = await ReplicaPool.start(spec, startup_timeout=args.startup_timeout)

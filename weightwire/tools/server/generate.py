@@ -56,13 +56,16 @@ class Generator:
         model_name: str,
         max_model_len: int,
         step_lock: threading.Lock | None = None,
+        step_delay_s: float = 0.0,
     ) -> None:
         """``step_lock``: held through each forward pass (a prefill, one decode step), so a
-        round's start waits for the step in progress, never for the whole request."""
+        round's start waits for the step in progress, never for the whole request.
+        ``step_delay_s``: slept after each decode step, the lock released."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.model_name, self.max_model_len = model_name, max_model_len
         self.eos_token_id = tokenizer.eos_token_id
         self.step_lock = threading.Lock() if step_lock is None else step_lock
+        self.step_delay_s = step_delay_s
 
     def _step(self, **inputs: Any) -> tuple[Any, torch.Tensor]:
         """One forward pass: its KV cache and the last position's logits (float32)."""
@@ -161,6 +164,8 @@ class Generator:
                     done[i], finish[i] = True, "stop"
             if all(done) or step == max_tokens - 1:
                 break
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
             if cancelled():
                 finish = ["abort" if not d else f for d, f in zip(done, finish, strict=True)]
                 break

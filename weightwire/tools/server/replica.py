@@ -97,6 +97,8 @@ class WorkerSpec:
     """Refuse to commit a round whose floating-point tensors hold NaN or infinity."""
     max_lora_rank: int = 0
     """Serve LoRA adapters up to this rank (``--enable-lora``); 0: no adapters."""
+    decode_step_delay_s: float = 0.0
+    """Seconds to wait after each decode step (``--decode-step-delay``)."""
 
 
 class Replica:

@@ -76,6 +76,7 @@ class Worker:
             model_name=os.path.basename(os.path.normpath(spec.model_dir)),
             max_model_len=self.max_model_len,
             step_lock=self.step_lock,
+            step_delay_s=spec.decode_step_delay_s,
         )
         self.sleep = WorkerSleep(self.model, self.device, self.model_lock, self.host.param_names)
         self.adapters = HFAdapters(self.model, spec.max_lora_rank) if spec.max_lora_rank else None

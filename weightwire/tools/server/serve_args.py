@@ -120,6 +120,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="seconds for one completion request, and for /pause?mode=wait to drain (default 600)",
     )
     p.add_argument(
+        "--decode-step-delay",
+        type=float,
+        default=0.0,
+        help="seconds each worker waits after every decode step, outside the step lock "
+        "(default 0): stands in for a larger model's step time, so drills of pause, "
+        "sleep and abort against a running generation hold on a tiny model",
+    )
+    p.add_argument(
         "--round-lease",
         type=float,
         default=None,
@@ -171,6 +179,8 @@ def check_args(args: argparse.Namespace) -> str | None:
     ):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             return f"--{name.replace('_', '-')} must be > 0"
+    if not 0 <= args.decode_step_delay <= 10:  # also refuses NaN
+        return f"--decode-step-delay must be in [0, 10] seconds, got {args.decode_step_delay}"
     if args.max_body_bytes < 1024:
         return "--max-body-bytes must be >= 1024"
     if args.max_reply_bytes < 1024:
