@@ -81,7 +81,7 @@ def main() -> None:
             try:
                 metrics = engine.send_weights()
             except Exception as exc:
-                error = {"type": type(exc).__name__, "error": str(exc)[:400]}
+                error = {"type": type(exc).__name__, "error": str(exc)[:1000]}
                 if rank == 0:  # nothing reached the workers
                     assert client.updates == 0 and held(client) == before
                 break
