@@ -53,8 +53,10 @@ else
 fi
 
 # This checkout, editable, so the plugin vLLM loads is the code under test. Skipped when the
-# venv already points at this checkout and has the plugin entry point.
-if ! "$VENV/bin/python" - "$REPO" <<'EOF' >/dev/null 2>&1
+# venv already points at this checkout and has the plugin entry point. The check runs from /:
+# run from the checkout, `python -` would import the checkout's own copy through the working
+# directory and pass while the venv points at another checkout, whose code vLLM would load.
+if ! (cd / && "$VENV/bin/python" - "$REPO") <<'EOF' >/dev/null 2>&1
 import importlib.metadata as md, os, sys
 import weightwire
 assert os.path.dirname(os.path.dirname(os.path.abspath(weightwire.__file__))) == os.path.abspath(sys.argv[1])
