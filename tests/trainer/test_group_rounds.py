@@ -136,10 +136,15 @@ def test_a_rank_late_for_the_agreement_learns_at_once_that_rank_zero_gave_up(
     timeouts = Timeouts(http_s=2, connect_s=20, warmup_s=20, transfer_s=10)
     before = served(client)
 
+    gave_up = threading.Event()
+
     def rounds(rank: int, engine: Any) -> list[Outcome]:
-        if rank == 1:
-            time.sleep(3.5)  # past rank 0's agreement bound (http_s)
-        return [attempt(engine), attempt(engine)]
+        if rank == 1:  # past rank 0's agreement bound (http_s), however slow the box
+            assert gave_up.wait(60)
+            return [attempt(engine), attempt(engine)]
+        first = attempt(engine)
+        gave_up.set()
+        return [first, attempt(engine)]
 
     zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 2.0)
     late = "trainer rank 1 did not publish 'round' within 2 s"
@@ -291,10 +296,14 @@ def test_a_rank_zero_later_than_the_others_bound_runs_no_round_they_reported_fai
     before = served(client)
     first = threading.Barrier(2, timeout=60)
 
+    gave_up = threading.Event()
+
     def rounds(rank: int, engine: Any) -> list[Outcome]:
-        if rank == 0:
-            time.sleep(3.5)  # past rank 1's agreement bound (http_s)
+        if rank == 0:  # past rank 1's agreement bound (http_s), however slow the box
+            assert gave_up.wait(60)
         done = [attempt(engine, "late")]
+        if rank == 1:
+            gave_up.set()
         first.wait()
         return [*done, attempt(engine, "second")]
 
