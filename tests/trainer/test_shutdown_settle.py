@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 import pytest
 
@@ -62,6 +63,34 @@ def test_a_server_that_keeps_its_round_active_fails_shutdown_by_name_within_the_
     calls = _calls(server)
     time.sleep(0.3)
     assert _calls(server) == calls  # nothing polls after shutdown() raised
+
+
+def test_a_poll_too_late_for_the_bound_still_names_the_servers_last_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The poll never sees the bound itself (its clock stands still: a box too loaded to run
+    its thread in time): at the bound shutdown() halts it between two calls and raises its
+    verdict, naming the server's last answer (was: a bare "did not return within 0.99998 s",
+    whenever the poll thread had not run by the bound, as under two test runs at once)."""
+    server = FakeServer()
+    engine = _engine(server)
+    server.fail[ROUTE] = ACTIVE
+    monkeypatch.setattr(
+        transfer,
+        "time",
+        types.SimpleNamespace(monotonic=lambda: 0.0, perf_counter=time.perf_counter),
+    )
+    began = time.monotonic()
+    with pytest.raises(ControlTimeout) as got:
+        engine.shutdown()
+    took = time.monotonic() - began
+    assert got.value.route == ROUTE
+    assert "the server still had a round active" in got.value.message, got.value.message
+    assert "a weight update is active (round 3)" in got.value.message
+    assert BOUND - 0.2 <= took < BOUND + SLACK_S, took
+    calls = _calls(server)
+    time.sleep(0.3)
+    assert _calls(server) == calls  # halted: nothing polls after shutdown() raised
 
 
 def test_a_retry_still_out_at_the_bound_is_abandoned_and_calls_no_more() -> None:
