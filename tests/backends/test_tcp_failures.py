@@ -238,8 +238,9 @@ def test_receiver_killed_mid_transfer_makes_the_sender_raise():
         healthy.result(timeout=30)  # finishes (bytes or a PeerLost), never hangs
 
 
-def test_sender_killed_mid_transfer_makes_receivers_raise_peer_lost():
+def test_sender_killed_mid_transfer_makes_receivers_raise_peer_lost(tmp_path):
     total = 128 << 20
+    go = tmp_path / "read-now"
     with Peers() as peers:
         sender = peers.spawn("send", {"world_size": 3, "nbytes": total})
         fields = sender.expect("listening")
@@ -249,13 +250,14 @@ def test_sender_killed_mid_transfer_makes_receivers_raise_peer_lost():
             "world_size": 3,
             "packed": True,
             "buffer_size": 1 << 20,
-            "delay_s": 1.5,
+            "go_file": str(go),  # the receivers read only once the sender is dead
             "metas": [{"name": "w", "dtype": "uint8", "shape": [total]}],
         }
         receivers = [peers.spawn("recv", {**config, "rank": r}) for r in (1, 2)]
         sender.expect("sending")
         time.sleep(0.3)  # sender blocked on full socket buffers; receivers have not started reading
         sender.kill()
+        go.touch()  # was: the receivers read after 1.5 s of their own, however late the kill came
         for receiver in receivers:
             receiver.expect("warm")
             result = receiver.result(timeout=30)

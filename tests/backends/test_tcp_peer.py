@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -131,7 +132,12 @@ def _recv(cfg: dict[str, Any]) -> None:
         _emit({"event": "warm"})
         if cfg.get("stall"):  # connected and warm, never reads: the sender must notice
             time.sleep(600)
-        time.sleep(cfg.get("delay_s", 0))
+        if "go_file" in cfg:  # reads only once the test says so (it writes the file)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(cfg["go_file"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{cfg['go_file']} did not appear within 60 s")
+                time.sleep(0.01)
         metas = [ParamMeta.from_dict(m) for m in cfg["metas"]]
         chunks = plan(metas, packed=cfg["packed"], buffer_size_bytes=cfg["buffer_size"])
         buf = np.empty(

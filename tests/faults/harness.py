@@ -41,6 +41,9 @@ engine's 2 s wait for the server's verdict, a loaded 2-core CI machine."""
 API_KEY = "faults-key-6d1f0c2b9a"
 """Every fault server runs with ``--api-key``: the weight routes are exercised authenticated."""
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+HOLD_ARGS = ["--decode-step-delay", "0.05"]
+"""Server flags for a case against a running generation (``running_generation``): its 240
+steps hold the model >= 12 s on any machine, until the case ``released`` it (an abort)."""
 
 BUFFER_BYTES = 64 << 10  # below the first tensor's size: a hook at tensor >= 1 fires after start
 

@@ -1,22 +1,22 @@
 """A finish that cannot commit in time: what the server reports and what it serves agree.
 
-Own server with ``--op-timeout 1``: a long batched generation holds the model when the
-round's finish arrives. The finish must answer within its op timeout (not when the
-generation ends) and, having answered "not committed", must never commit later.
+Own server with ``--op-timeout 1`` and a decode step delay (``HOLD_ARGS``): a generation
+holds the model when the round's finish arrives, on any machine, until the case aborts it.
+The finish must answer within its op timeout (not when the generation ends) and, having
+answered "not committed", must never commit later.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.faults.harness import (
     AUTH,
     GRACE_S,
+    HOLD_ARGS,
     Probe,
     TensorSource,
     assert_weights,
@@ -27,6 +27,7 @@ from tests.faults.harness import (
     quiet_shutdown,
 )
 from tests.faults.servers import Server, serving
+from tests.server._server_sender import released, running_generation
 from weightwire.shared.errors import WeightSyncError
 
 pytestmark = pytest.mark.timeout(180)
@@ -36,7 +37,11 @@ OP_TIMEOUT_S = 1.0
 @pytest.fixture(scope="module")
 def server(fault_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with serving(
-        fault_model, tmp_path_factory.mktemp("commit-faults"), "--op-timeout", str(OP_TIMEOUT_S)
+        fault_model,
+        tmp_path_factory.mktemp("commit-faults"),
+        "--op-timeout",
+        str(OP_TIMEOUT_S),
+        *HOLD_ARGS,
     ) as s:
         yield s
 
@@ -46,46 +51,25 @@ def test_finish_blocked_by_a_generation_times_out_and_never_commits(
 ) -> None:
     probe = Probe(server.url)
     engine = engine_for(server.url, source)
-    generation: list[httpx.Response] = []
-
-    def long_generation() -> None:
-        with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
-            generation.append(
-                http.post(
-                    "/v1/completions",
-                    json={
-                        "prompt": "The trainer sends",
-                        "max_tokens": 200,
-                        "n": 64,
-                        "temperature": 0,
-                        "ignore_eos": True,
-                    },
-                )
-            )
-
+    running = None
     try:
         want = source.perturb(301)
         engine.send_weights("g1")
-        reader = threading.Thread(target=long_generation)
-        reader.start()
-        probe.wait_session(
-            lambda _: probe.http.get("/health").json()["replicas"][0]["generations_in_flight"] == 1,
-            timeout=30,
-        )
-        new = source.perturb(302)
+        running = running_generation(server.url, AUTH)
+        source.perturb(302)
         refused: WeightSyncError | None = None
         with elapsed() as t:
             try:
                 engine.send_weights("g2")
             except WeightSyncError as exc:
                 refused = exc
-        reader.join(120)
-        assert generation and generation[0].status_code == 200, generation
-        if (
-            refused is None
-        ):  # the generation ended before the finish came: nothing to test on this machine
-            assert_weights(probe, new, "g2")
-            pytest.skip("the generation ended before the round's finish arrived")
+        assert running[0].is_alive(), (
+            "the generation ended before the verdict: the case tests nothing"
+        )
+        generation = released(server.url, *running, AUTH)
+        running = None
+        assert generation.status_code == 200, generation.text
+        assert refused is not None, "the finish committed while a generation held the model"
         observe(trainer=refused, trainer_s=t[0])
         # The generation is over and the lock free: the server must still serve exactly g1,
         # as it said, and must have said so within its op timeout.
@@ -99,6 +83,8 @@ def test_finish_blocked_by_a_generation_times_out_and_never_commits(
             f"finish answered after {t[0]:.1f} s, not its {OP_TIMEOUT_S} s"
         )
     finally:
+        if running is not None:
+            released(server.url, *running, AUTH)
         quiet_shutdown(engine)
     fresh_round(server.url, source, probe, 303, "after-finish-timeout")
     probe.close()

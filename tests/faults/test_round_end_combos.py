@@ -9,15 +9,15 @@ in progress (the worker's start waits for that step, not for the request)."""
 from __future__ import annotations
 
 import logging
-import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.faults.harness import (
     AUTH,
+    HOLD_ARGS,
     Probe,
     TensorSource,
     assert_weights,
@@ -25,7 +25,8 @@ from tests.faults.harness import (
     observe,
     quiet_shutdown,
 )
-from tests.faults.servers import Server
+from tests.faults.servers import Server, serving
+from tests.server._server_sender import released, running_generation
 from weightwire.shared.errors import WeightSyncError
 from weightwire.trainer import EngineBroken
 
@@ -114,36 +115,37 @@ def _served_by(model_dir: Path, tensors: dict[str, Any], body: dict[str, Any]) -
     return generator.complete(req.to_worker(), lambda: False)["choices"][0]
 
 
-@pytest.mark.slow  # ~5 s: a 64-row generation, and the model loaded again to check the answer
+@pytest.fixture(scope="module")
+def held_server(fault_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server whose decode steps wait (``HOLD_ARGS``): its generation is still running
+    when the round starts, on any machine."""
+    with serving(fault_model, tmp_path_factory.mktemp("round-end-held"), *HOLD_ARGS) as s:
+        yield s
+
+
+@pytest.mark.slow  # ~8 s: a server of its own, and the model loaded again to check the answer
 def test_a_round_in_place_meets_a_generation_step_in_progress_and_serves_the_new_weights(
-    shared_server: Server, probe: Probe, source: TensorSource, fault_model: Path
+    held_server: Server, source: TensorSource, fault_model: Path
 ) -> None:
     """A long generation in flight when a round applied in place starts with ``pause=abort``:
     the worker's start waits for the step in progress only (the request stops at its next
     step, aborted, long before it would have ended), the round commits, and a generation
     after it is the new weights' (the same generator over a model loaded with them)."""
-    engine = engine_for(shared_server.url, source, stage_budget_bytes=0)
-    generation: list[httpx.Response] = []
-    long = {"prompt": "The trainer sends", "max_tokens": 200, "n": 64, "ignore_eos": True}
-
-    def long_generation() -> None:
-        with httpx.Client(base_url=shared_server.url, headers=AUTH, timeout=120) as http:
-            generation.append(http.post("/v1/completions", json={**long, "temperature": 0}))
-
-    reader = threading.Thread(target=long_generation)
+    probe = Probe(held_server.url)
+    engine = engine_for(held_server.url, source, stage_budget_bytes=0)
+    running = None
     try:
         engine.send_weights("warm")
-        reader.start()
-        probe.wait_session(
-            lambda _: probe.http.get("/health").json()["replicas"][0]["generations_in_flight"] == 1,
-            timeout=30,
-        )
+        running = running_generation(held_server.url, AUTH)
         want = source.perturb(34)
         engine.send_weights("mid-generation")
-        reader.join(120)
+        thread, generation = running
+        thread.join(60)  # not released: the round's start must have stopped it
         assert generation and generation[0].status_code == 200, generation
+        running = None
         reasons = {c["finish_reason"] for c in generation[0].json()["choices"]}
         assert reasons == {"abort"}, reasons  # stopped at its next step
+        assert generation[0].json()["usage"]["completion_tokens"] < 240
         assert_weights(probe, want, "mid-generation")
         assert not probe.http.get("/is_paused").json()["is_paused"]
         body = {"prompt": "The trainer sends", "max_tokens": 4, "temperature": 0, "logprobs": 1}
@@ -154,8 +156,10 @@ def test_a_round_in_place_meets_a_generation_step_in_progress_and_serves_the_new
             expected["logprobs"]["token_logprobs"], abs=1e-4
         )
     finally:
-        reader.join(120)
+        if running is not None:
+            released(held_server.url, *running, AUTH)
         quiet_shutdown(engine)
+        probe.close()
 
 
 def test_a_write_through_round_whose_last_copies_fail_to_settle_opens_no_round(

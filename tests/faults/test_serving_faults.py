@@ -2,10 +2,11 @@
 nobody waits for any more, weights that are not finite.
 
 One server of its own, ``capped`` (``--generate-timeout 4``, ``--max-reply-bytes`` 50 MB,
-``--check-finite``), and the suite's shared server (the default generate timeout). A
-"long" request below is 64 prompts x n=64 x 250 tokens: minutes of decoding on this
-model, far beyond every client timeout used here, so a request that is answered proves
-the long one stopped computing.
+``--check-finite``, a 0.3 s decode step delay), and the suite's shared server (the default
+generate timeout). A "long" request below outlasts every client timeout used here, so a
+request that is answered proves the long one stopped computing: on ``capped`` one row of
+250 tokens (>= 75 s, held by the step delay on any machine, at little CPU), on the shared
+server 64 prompts x n=64 x 250 tokens (minutes of decoding on this model).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ pytestmark = pytest.mark.timeout(240)
 GENERATE_TIMEOUT_S = 4
 MAX_REPLY_BYTES = 50_000_000
 LONG = {"prompt": [[5]] * 64, "n": 64, "max_tokens": 250, "ignore_eos": True}
+CAPPED_STEP_DELAY_S = 0.3
+"""``capped``'s decode step delay: ``HELD_LONG`` runs >= 75 s, past ``FOLLOW_UP_TIMEOUT_S``."""
+HELD_LONG = {"prompt": [[5]], "max_tokens": 250, "ignore_eos": True}
 ONE_TOKEN = {"prompt": "The trainer sends", "max_tokens": 1, "temperature": 0}
 FOLLOW_UP_TIMEOUT_S = 60.0
 """The follow-up request's client bound: an uncancelled long request holds the lane for minutes."""
@@ -50,6 +54,8 @@ def capped(fault_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "--max-reply-bytes",
         str(MAX_REPLY_BYTES),
         "--check-finite",
+        "--decode-step-delay",
+        str(CAPPED_STEP_DELAY_S),
     ) as s:
         yield s
 
@@ -100,7 +106,7 @@ def test_a_generation_past_the_generate_timeout_stops(capped: Server, source: Te
     trainer's round follow."""
     probe = Probe(capped.url)
     with _http(capped) as http, elapsed() as t:
-        resp = http.post("/v1/completions", json=LONG)
+        resp = http.post("/v1/completions", json=HELD_LONG)
     assert resp.status_code == 504, resp.text
     after = _served_after(capped)
     assert after.status_code == 200, after.text

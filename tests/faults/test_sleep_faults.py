@@ -3,7 +3,8 @@ reports and what its workers do agree, and an operation reported as failed never
 effect later.
 
 Own server (tiny-llama, ``--op-timeout 1`` so a sleep blocked by a generation gives up
-fast, ``--round-lease 20`` so a round held open on purpose outlives the probe's calls,
+fast, a decode step delay (``HOLD_ARGS``) so that generation holds the model on any machine,
+``--round-lease 20`` so a round held open on purpose outlives the probe's calls,
 ``--log-level info`` for the round log lines).
 """
 
@@ -19,6 +20,7 @@ import pytest
 
 from tests.faults.harness import (
     AUTH,
+    HOLD_ARGS,
     Probe,
     TensorSource,
     assert_weights,
@@ -30,6 +32,7 @@ from tests.faults.harness import (
     quiet_shutdown,
 )
 from tests.faults.servers import Server, serving
+from tests.server._server_sender import released, running_generation
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.routes import SESSION_HEADER
 
@@ -55,6 +58,7 @@ def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "20",
         "--log-level",
         "info",
+        *HOLD_ARGS,
     ) as s:
         yield s
 
@@ -101,29 +105,15 @@ def test_sleep_that_timed_out_never_happens_later(server: Server, probe: Probe) 
     generation still runs, and, having said "did not sleep", never sleeps when the
     generation ends: the weights, version and serving stay as before."""
     before, version = probe.checksums()[0], probe.version()
-    generation: list[httpx.Response] = []
-
-    def long_generation() -> None:
-        with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
-            generation.append(_completion(http, max_tokens=100, n=64))
-
-    reader = threading.Thread(target=long_generation)
-    reader.start()
+    running = running_generation(server.url, AUTH)
     try:
-        probe.wait_session(
-            lambda _: probe.http.get("/health").json()["replicas"][0]["generations_in_flight"] == 1,
-            timeout=30,
-        )
         with elapsed() as t:
             resp = probe.http.post("/sleep", params={"level": 2, "mode": "keep"})
-        answered_first = not generation  # the sleep's verdict did not wait for the generation's end
+        answered_first = running[0].is_alive()  # the verdict did not wait for the generation
         during = probe.http.get("/is_sleeping").json()
     finally:
-        reader.join(120)
-    assert generation and generation[0].status_code == 200, generation
-    if resp.status_code == 200:  # the generation ended before the sleep came: nothing to test here
-        _awake(probe)
-        pytest.skip("the generation ended before the sleep arrived")
+        generation = released(server.url, *running, AUTH)
+    assert generation.status_code == 200, generation.text
     observe(server=_error(resp), server_s=t[0])
     assert resp.status_code == 504 and during == {"is_sleeping": False}, resp.text
     # The generation is over and the model lock free: nothing may have slept since.

@@ -199,15 +199,20 @@ DRILL_ARGS = ["--decode-step-delay", "0.02"]
 """Server flags for a drill against a running generation: 240 steps take >= 4.8 s."""
 
 
-def running_generation(url: str) -> tuple[threading.Thread, list[httpx.Response]]:
+def running_generation(
+    url: str, headers: dict[str, str] | None = None
+) -> tuple[threading.Thread, list[httpx.Response]]:
     """A long greedy completion posted on a thread, returned once the server's replica 0
     holds it (``generations_in_flight`` > 0); its response lands in the list. The server
-    must run with ``DRILL_ARGS``: without the step delay a fast machine finishes the
-    240 tokens before the drill's bound."""
+    must run with ``DRILL_ARGS`` (or a longer step delay): without the step delay a fast
+    machine finishes the 240 tokens before the drill's bound. ``headers``: the request's
+    (a server with ``--api-key`` wants its bearer); ``released`` ends it early."""
     out: list[httpx.Response] = []
     body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
     t = threading.Thread(
-        target=lambda: out.append(httpx.post(url + "/v1/completions", json=body, timeout=60))
+        target=lambda: out.append(
+            httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+        )
     )
     t.start()
     deadline = time.monotonic() + 30
@@ -215,3 +220,16 @@ def running_generation(url: str) -> tuple[threading.Thread, list[httpx.Response]
         assert time.monotonic() < deadline and not out, "the request never reached the replica"
         time.sleep(0.005)
     return t, out
+
+
+def released(
+    url: str, t: threading.Thread, out: list[httpx.Response], headers: dict[str, str] | None = None
+) -> httpx.Response:
+    """End ``running_generation``'s request now (``/abort_requests``: it stops at its next
+    step) rather than at its 240th token, and return its response. A drill releases it once
+    it has checked what must happen while the generation holds the model."""
+    if t.is_alive():
+        httpx.post(url + "/abort_requests", headers=headers, timeout=30).raise_for_status()
+    t.join(60)
+    assert out, "the generation did not end within 60 s of its abort"
+    return out[0]

@@ -30,9 +30,14 @@ class Link:
         raise TransferTimeout(f"no hello within {limit} s")
 
 
-def failing_post(after_s: float) -> Future[None]:
+def failing_post(after_s: float, until: threading.Event | None = None) -> Future[None]:
+    """An init POST that fails after ``after_s``, or once ``until`` is set."""
+
     def post() -> None:
-        time.sleep(after_s)
+        if until is None:
+            time.sleep(after_s)
+        else:
+            until.wait(30)
         raise RuntimeError("POST /init_weight_transfer_engine: 400 the server refused the init")
 
     return spawn(post, name="test-init")
@@ -50,8 +55,12 @@ def test_a_post_that_fails_during_the_wait_ends_it_at_once_with_its_own_error() 
 
 def test_a_post_that_fails_after_the_wait_leaves_the_link_alone() -> None:
     link = Link()
-    post = failing_post(0.3)
-    assert beside_init(post, link, lambda: [b"hello"]) == [b"hello"]  # the hellos came first
+    hellos_read = threading.Event()  # the POST fails only then (was: after 0.3 s, however late)
+    post = failing_post(0.0, until=hellos_read)
+    try:
+        assert beside_init(post, link, lambda: [b"hello"]) == [b"hello"]  # the hellos first
+    finally:
+        hellos_read.set()
     with pytest.raises(RuntimeError):
         post.result(timeout=5)  # the POST's later failure is the caller's to read
     assert not link.aborted.is_set()

@@ -151,18 +151,26 @@ def test_release_returns_once_the_helper_took_the_start_it_carries() -> None:
 
 
 def test_release_does_not_wait_for_a_start_behind_its_own_pause() -> None:
+    import threading
     import time
 
     from weightwire.trainer.early import EarlyStart
 
-    def slow_pause() -> bool:
-        time.sleep(0.5)
-        return True
+    pause_out = threading.Event()  # the pause answers only once the test lets it
 
-    early = EarlyStart(slow_pause, lambda: None, 5.0)
+    def held_pause() -> bool:
+        return pause_out.wait(30)
+
+    early = EarlyStart(held_pause, lambda: None, 5.0)
     t0 = time.perf_counter()
-    early.release(bound_s=10.0)
-    assert time.perf_counter() - t0 < 0.3  # the pause is out: nothing to hand over yet
+    try:
+        early.release(bound_s=10.0)
+        returned_s = time.perf_counter() - t0
+        assert not early.start_sent  # still behind the pause: release did not wait for it
+    finally:
+        pause_out.set()
+    # waiting for the start would have taken the whole 10 s bound (the pause is held)
+    assert returned_s < 5.0, returned_s
     early.wait()
     assert early.paused and early.start_returned
 

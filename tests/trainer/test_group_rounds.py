@@ -136,10 +136,15 @@ def test_a_rank_late_for_the_agreement_learns_at_once_that_rank_zero_gave_up(
     timeouts = Timeouts(http_s=2, connect_s=20, warmup_s=20, transfer_s=10)
     before = served(client)
 
+    gave_up = threading.Event()
+
     def rounds(rank: int, engine: Any) -> list[Outcome]:
-        if rank == 1:
-            time.sleep(3.5)  # past rank 0's agreement bound (http_s)
-        return [attempt(engine), attempt(engine)]
+        if rank == 1:  # past rank 0's agreement bound (http_s), however slow the box
+            assert gave_up.wait(60)
+            return [attempt(engine), attempt(engine)]
+        first = attempt(engine)
+        gave_up.set()
+        return [first, attempt(engine)]
 
     zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 2.0)
     late = "trainer rank 1 did not publish 'round' within 2 s"
@@ -148,7 +153,7 @@ def test_a_rank_late_for_the_agreement_learns_at_once_that_rank_zero_gave_up(
     # own verdict bound, http_s * 3 + transfer_s = 16 s, for a round rank 0 had dropped)
     assert one[0][0] == RoundFailed.__name__, one
     assert f"trainer rank 0 reported the round failed: GroupTimeout: {late}" in one[0][1]
-    assert one[0][2] < 1.0, one
+    assert one[0][2] < 4.0, one  # a quarter of that 16 s: room for a loaded box
     # the ranks are out of step: both engines are broken, and say so at once (was: rank 0
     # waited its agreement bound again for a rank that no longer follows)
     for rank_outcomes in (zero, one):
@@ -189,7 +194,7 @@ def test_a_start_the_asleep_server_refused_keeps_every_rank_and_the_round_after_
     # follows its word (was: rank 1 broke its engine, so the next round left rank 0
     # waiting out its agreement bound: GroupTimeout, and then both broken)
     assert zero[1][:2] == ("ok", "after-wake") and one[1][:2] == ("ok", "after-wake")
-    assert zero[1][2] < 2.0
+    assert zero[1][2] < timeouts.http_s  # not a wait for an agreement that never comes
     after = served(client)
     assert after[1] == "after-wake" and after[0] != before[0]
 
@@ -215,7 +220,7 @@ def test_a_refusal_on_rank_zero_before_the_round_driver_reaches_the_others_at_on
     zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 3.0)
     assert zero[0][0] == ConfigError.__name__, zero
     # was: no verdict posted, rank 1 waited http_s * 3 + transfer_s (22 s) for it
-    assert one[0][0] == RoundFailed.__name__ and one[0][2] < 2.0, one
+    assert one[0][0] == RoundFailed.__name__ and one[0][2] < timeouts.http_s, one
     assert "rank 0's plan refused the round (before any call)" in one[0][1]
     assert zero[1][:2] == ("ok", "next") and one[1][:2] == ("ok", "next"), (zero, one)
     assert served(client)[1] == "next" and served(client)[0] != before[0]
@@ -240,7 +245,7 @@ def test_a_rank_that_shut_down_fails_the_others_next_round_at_once(
     # was: rank 0 waited out http_s for rank 1's agreement (GroupTimeout, 6 s here, 300 s
     # by default), though rank 1 had said nothing more would come
     kind, text, seconds = zero[1]
-    assert kind == RoundFailed.__name__ and seconds < 2.0, zero
+    assert kind == RoundFailed.__name__ and seconds < timeouts.http_s / 2, zero
     assert "trainer rank 1 shut down its engine" in text
     assert "call shutdown() and trainer_init() again on every rank" in text
     assert zero[2][0] == EngineBroken.__name__ and zero[2][2] < 1.0, zero
@@ -291,10 +296,14 @@ def test_a_rank_zero_later_than_the_others_bound_runs_no_round_they_reported_fai
     before = served(client)
     first = threading.Barrier(2, timeout=60)
 
+    gave_up = threading.Event()
+
     def rounds(rank: int, engine: Any) -> list[Outcome]:
-        if rank == 0:
-            time.sleep(3.5)  # past rank 1's agreement bound (http_s)
+        if rank == 0:  # past rank 1's agreement bound (http_s), however slow the box
+            assert gave_up.wait(60)
         done = [attempt(engine, "late")]
+        if rank == 1:
+            gave_up.set()
         first.wait()
         return [*done, attempt(engine, "second")]
 
@@ -330,7 +339,7 @@ def test_a_broken_rank_fails_the_others_next_round_at_once(
     # once naming it (was: rank 0 waited out http_s for a post that never came)
     assert one[1][0] == EngineBroken.__name__ and one[1][2] < 1.0, one
     kind, text, seconds = zero[1]
-    assert kind == RoundFailed.__name__ and seconds < 1.0, zero
+    assert kind == RoundFailed.__name__ and seconds < timeouts.http_s / 2, zero
     assert "trainer rank 1 has a broken engine (GroupTimeout: rank 1's own wait ran out)" in text
     assert "call shutdown() and trainer_init() again on every rank" in text
     assert zero[2][0] == EngineBroken.__name__ and one[2][0] == EngineBroken.__name__
@@ -409,7 +418,7 @@ def test_a_rank_asking_wait_false_is_refused_on_every_rank_at_once_and_the_next_
     # was: rank 0 waited out http_s (6 s here, 300 s by default) for rank 1's agreement,
     # then GroupTimeout with its engine broken, and the next round failed too
     kind, text, seconds = zero[0]
-    assert kind == "PlanError" and seconds < 2.0, zero  # a ConfigError: nothing was sent
+    assert kind == "PlanError" and seconds < timeouts.http_s / 2, zero  # nothing was sent
     assert "trainer rank 1: its send_weights(wait=False) was refused" in text
     assert "Call send_weights() with wait=True on every rank" in text
     assert zero[1][:2] == ("ok", "next") and one[1][:2] == ("ok", "next"), (zero, one)
@@ -422,6 +431,7 @@ def test_a_rank_that_gave_up_on_the_verdict_is_told_the_outcome_by_the_next_agre
     timeouts = Timeouts(http_s=1, connect_s=20, warmup_s=20, transfer_s=1)
     both = threading.Barrier(2, timeout=60)
     settled: list[Any] = []
+    gave_up = threading.Event()
 
     def rounds(rank: int, engine: Any) -> list[Outcome]:
         multi = engine._multi
@@ -429,13 +439,15 @@ def test_a_rank_that_gave_up_on_the_verdict_is_told_the_outcome_by_the_next_agre
             post = multi.committed
 
             def late(version: str) -> None:
-                time.sleep(5.0)
+                gave_up.wait(60)  # until rank 1 gave up, however slow the box (was: 5 s)
                 post(version)
 
             multi.committed = late
         slow = attempt(engine, "slow")
         if rank == 0:
             multi.committed = post
+        else:
+            gave_up.set()
         both.wait()
         done = [slow, attempt(engine, "next")]
         if rank == 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 import pytest
 
@@ -22,6 +23,9 @@ ROUTE = "shutdown_weight_transfer_engine"
 ACTIVE = (409, "shutdown_weight_transfer_engine refused: a weight update is active (round 3)")
 TRANSFER_S, GRACE_S = 0.4, 0.2
 BOUND = 2 * TRANSFER_S + GRACE_S
+SLACK_S = 4.0
+"""How far past ``BOUND`` shutdown() may raise: a loaded 2-core box's thread wake-ups, far
+below what a missed bound costs (the client's 10 s http_s, a call held 30 s)."""
 
 
 @pytest.fixture(autouse=True)
@@ -55,10 +59,38 @@ def test_a_server_that_keeps_its_round_active_fails_shutdown_by_name_within_the_
     assert "the server still had a round active" in got.value.message
     assert "a weight update is active (round 3)" in got.value.message  # its last answer
     assert _calls(server) > 2  # retried meanwhile
-    assert BOUND - 0.2 <= took < BOUND + 1.0, took
+    assert BOUND - 0.2 <= took < BOUND + SLACK_S, took
     calls = _calls(server)
     time.sleep(0.3)
     assert _calls(server) == calls  # nothing polls after shutdown() raised
+
+
+def test_a_poll_too_late_for_the_bound_still_names_the_servers_last_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The poll never sees the bound itself (its clock stands still: a box too loaded to run
+    its thread in time): at the bound shutdown() halts it between two calls and raises its
+    verdict, naming the server's last answer (was: a bare "did not return within 0.99998 s",
+    whenever the poll thread had not run by the bound, as under two test runs at once)."""
+    server = FakeServer()
+    engine = _engine(server)
+    server.fail[ROUTE] = ACTIVE
+    monkeypatch.setattr(
+        transfer,
+        "time",
+        types.SimpleNamespace(monotonic=lambda: 0.0, perf_counter=time.perf_counter),
+    )
+    began = time.monotonic()
+    with pytest.raises(ControlTimeout) as got:
+        engine.shutdown()
+    took = time.monotonic() - began
+    assert got.value.route == ROUTE
+    assert "the server still had a round active" in got.value.message, got.value.message
+    assert "a weight update is active (round 3)" in got.value.message
+    assert BOUND - 0.2 <= took < BOUND + SLACK_S, took
+    calls = _calls(server)
+    time.sleep(0.3)
+    assert _calls(server) == calls  # halted: nothing polls after shutdown() raised
 
 
 def test_a_retry_still_out_at_the_bound_is_abandoned_and_calls_no_more() -> None:
@@ -71,7 +103,7 @@ def test_a_retry_still_out_at_the_bound_is_abandoned_and_calls_no_more() -> None
 
     def hold_the_second(_: object) -> None:
         if _calls(server) == 2:
-            late.wait(BOUND + 2.0)  # out past the bound
+            late.wait(30.0)  # out past the bound, until the test lets it answer
             answered.set()
 
     server.hooks[ROUTE] = hold_the_second
@@ -83,7 +115,7 @@ def test_a_retry_still_out_at_the_bound_is_abandoned_and_calls_no_more() -> None
     finally:
         late.set()
     assert got.value.route == ROUTE and "did not return within" in got.value.message
-    assert took < BOUND + 1.0, took
+    assert took < BOUND + SLACK_S, took
     assert answered.wait(5.0)
     time.sleep(0.3)
     assert _calls(server) == 2  # the abandoned poll took its late 409 and stopped
@@ -100,6 +132,11 @@ def test_stock_vllms_refusal_while_its_update_is_active_is_retried_until_it_ends
         "Call to collective_rpc method failed: Cannot release a trainer connection during a "
         "weight update",
     )
-    threading.Timer(0.15, lambda: server.fail.pop(ROUTE)).start()
+
+    def update_failed_by_the_retry(_: object) -> None:
+        if _calls(server) == 2:  # counted, not timed: the retry finds the update gone
+            server.fail.pop(ROUTE)
+
+    server.hooks[ROUTE] = update_failed_by_the_retry
     engine.shutdown()  # no error: the refusal ended within the bound
-    assert _calls(server) >= 2
+    assert _calls(server) == 2

@@ -92,19 +92,22 @@ class Exchange:
     def post(self, name: str, value: Any) -> None:
         self.group.publish(self._key(name, self.group.rank), json.dumps(value))
 
-    def get(self, name: str, rank: int, timeout: float) -> Any:
+    def get(self, name: str, rank: int, timeout: float, bound: float | None = None) -> Any:
+        """Rank ``rank``'s ``name``, waiting at most ``timeout`` s; ``bound``: the timeout
+        the caller was given, named in the error (``timeout`` is what is left of it)."""
+        bound = timeout if bound is None else bound
         try:
             return json.loads(self.group.read(self._key(name, rank), timeout))
         except GroupTimeout as exc:
             if exc.after_s is not None:
                 raise GroupTimeout(
                     f"reading trainer rank {rank}'s {name!r} failed after {exc.after_s:.1f} s, "
-                    f"before its {timeout:g} s timeout: {exc} (is the group's store, or the rank "
+                    f"before its {bound:g} s timeout: {exc} (is the group's store, or the rank "
                     "hosting it, gone?)",
                     after_s=exc.after_s,
                 ) from None
             raise GroupTimeout(
-                f"trainer rank {rank} did not publish {name!r} within {timeout:g} s "
+                f"trainer rank {rank} did not publish {name!r} within {bound:g} s "
                 "(it died, hung, or is running a different step)"
             ) from None
 
@@ -114,7 +117,7 @@ class Exchange:
         return [
             value
             if r == self.group.rank
-            else self.get(name, r, max(0.001, deadline - time.monotonic()))
+            else self.get(name, r, max(0.001, deadline - time.monotonic()), bound=timeout)
             for r in range(self.group.size)
         ]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -31,7 +30,7 @@ from weightwire.backends.base import (
 from weightwire.control.fallback import FallbackClient
 from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient
-from weightwire.shared.errors import ConfigError, WeightSyncError
+from weightwire.shared.errors import ConfigError, ControlTimeout, WeightSyncError
 from weightwire.shared.limits import LIMITS, bounded_repr
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.served import ServedModel, from_checkpoint
@@ -48,6 +47,7 @@ from weightwire.trainer.slice_plan import Holdings
 from weightwire.trainer.sliced import Slicing
 from weightwire.trainer.snapshot import FailedFirst, rewrapped
 from weightwire.trainer.transfer import (
+    SettleWatch,
     await_call,
     beside_init,
     join_beside_init,
@@ -60,6 +60,10 @@ from weightwire.trainer.transfer import (
 from weightwire.trainer.verify import RoundVerifier
 
 logger = logging.getLogger(__name__)
+
+_HALTED_POLL_S = 5.0
+"""How long a shutdown poll halted between two calls may take to raise its own verdict: it
+calls nothing more, so only a stalled thread would use this."""
 
 Extend = Callable[[dict[str, Any]], dict[str, Any]]
 """Several broadcasters: rank 0's worker init info, extended with the group's fields."""
@@ -370,7 +374,7 @@ def close_wire(s: Session, *, displaced: bool) -> bool:
     if s.link is None:
         return False
     post: Future | None = None
-    stop = threading.Event()  # set once this stops waiting: the poll then calls no more
+    watch = SettleWatch()  # halted once this stops waiting: the poll then calls no more
     deadline = 0.0
     if (
         not displaced
@@ -383,7 +387,7 @@ def close_wire(s: Session, *, displaced: bool) -> bool:
         transfer_s = s.info.timeouts.transfer_s
         deadline = time.monotonic() + settle_bound(transfer_s)
         post = spawn(
-            lambda: shutdown_when_settled(s.client, transfer_s, deadline=deadline, stop=stop),
+            lambda: shutdown_when_settled(s.client, transfer_s, deadline=deadline, watch=watch),
             name="weightwire-shutdown",
         )
     s.close_link()
@@ -394,11 +398,18 @@ def close_wire(s: Session, *, displaced: bool) -> bool:
         # matters: a shutdown failure is logged, never raised over it.
         failing = sys.exc_info()[1]
         try:
-            await_call(
-                post,
-                max(0.0, deadline - time.monotonic()),
-                "shutdown_weight_transfer_engine (retried while the server had a round active)",
-            )
+            try:
+                await_call(
+                    post,
+                    max(0.0, deadline - time.monotonic()),
+                    "shutdown_weight_transfer_engine (retried while the server had a round active)",
+                )
+            except ControlTimeout:
+                if not post.done() and watch.halt():
+                    raise  # a call still out at the bound: abandoned
+                # The poll answered meanwhile, or is between two calls: halted, it raises at
+                # once naming the server's last answer (bounded against a stalled thread).
+                await_call(post, _HALTED_POLL_S, "shutdown_weight_transfer_engine")
         except BaseException as exc:
             if failing is None:
                 raise
@@ -410,7 +421,7 @@ def close_wire(s: Session, *, displaced: bool) -> bool:
             return False
         return True
     finally:
-        stop.set()
+        watch.halt()
         if isinstance(s.client, FallbackClient):
             s.client.close()  # only the connections the engine opened itself
 

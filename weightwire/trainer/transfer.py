@@ -443,25 +443,62 @@ def settle_bound(transfer_s: float) -> float:
     return 2 * transfer_s + _GRACE_S
 
 
+class SettleWatch:
+    """The shutdown poll (``shutdown_when_settled``) as its waiter sees it at the bound:
+    ``halt`` stops it and says whether a call is out. With none out the poll raises at once,
+    naming the server's last answer, whatever the machine's speed (a waiter that raised
+    its own bare timeout instead lost that answer whenever the poll thread had not run yet)."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._calling = False
+
+    def begin_call(self) -> bool:
+        """A call may start: ``False`` once halted (the poll then raises, not calls)."""
+        with self._lock:
+            self._calling = not self.stop.is_set()
+            return self._calling
+
+    def end_call(self) -> None:
+        with self._lock:
+            self._calling = False
+
+    def halt(self) -> bool:
+        """No call starts from now on; ``True`` if one is out (its answer is not waited for)."""
+        with self._lock:
+            self.stop.set()
+            return self._calling
+
+
 def shutdown_when_settled(
     client: EngineClient,
     transfer_s: float,
     *,
     deadline: float | None = None,
-    stop: threading.Event | None = None,
+    watch: SettleWatch | None = None,
 ) -> None:
     """``shutdown_weight_transfer_engine``, retried while the server answers 409 because it
     has not yet failed the round this trainer just abandoned.
 
     No attempt starts after ``deadline`` (``time.monotonic()``; default ``settle_bound``
-    from now), nor once ``stop`` is set (its caller stopped waiting: a poll left behind
+    from now), nor once ``watch`` is halted (its caller stopped waiting: a poll left behind
     ends at once instead of calling on). Either way a server still in its round raises
     ``ControlTimeout`` naming the route and the server's last answer."""
     started = time.monotonic()
     if deadline is None:
         deadline = started + settle_bound(transfer_s)
-    stop = threading.Event() if stop is None else stop
+    watch = SettleWatch() if watch is None else watch
+    message = ""
     while True:
+        if not watch.begin_call():
+            if not message:  # halted before its first call went out
+                raise ControlTimeout(
+                    "shutdown_weight_transfer_engine was not sent: its caller stopped waiting "
+                    "first",
+                    route="shutdown_weight_transfer_engine",
+                )
+            raise _still_active(time.monotonic() - started, message)
         try:
             client.shutdown_weight_transfer_engine()
             return
@@ -476,9 +513,11 @@ def shutdown_when_settled(
             ) or (status == 500 and _VLLM_UPDATE_ACTIVE in message)
             if not settling:
                 raise
-            if stop.is_set() or time.monotonic() + _SETTLE_POLL_S >= deadline:
+            if watch.stop.is_set() or time.monotonic() + _SETTLE_POLL_S >= deadline:
                 raise _still_active(time.monotonic() - started, message) from exc
-        if stop.wait(_SETTLE_POLL_S):
+        finally:
+            watch.end_call()
+        if watch.stop.wait(_SETTLE_POLL_S):
             raise _still_active(time.monotonic() - started, message)
 
 
