@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from weightwire.control import HTTPWeightSyncClient
+from weightwire.control import HTTPWeightSyncClient, NotAdvertised
 from weightwire.shared.errors import ConfigError, WeightSyncError
 
 
@@ -226,6 +226,64 @@ def test_bad_construction_is_refused() -> None:
         HTTPWeightSyncClient(["http://a:1", "a:1/"])
     with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
         HTTPWeightSyncClient("http://a:1", timeout=0)
+
+
+def test_a_round_call_no_server_advertised_is_refused_naming_the_servers() -> None:
+    """``pause_and_start`` / ``finish_reset_resume`` / ``update_and_finish`` /
+    ``start_update_finish`` where a server's init reply did not name their feature, or before
+    any init: ``NotAdvertised`` (a ``ConfigError`` and still a ``RuntimeError``) naming the
+    servers that lack it and the plain calls to make instead; nothing is sent (was a bare
+    ``RuntimeError('not every server advertised ...')`` naming no server)."""
+    from weightwire.shared.routes import (
+        FINISH_RESETS_RESUMES,
+        START_PAUSES,
+        UPDATE_FINISHES,
+        UPDATE_STARTS,
+    )
+
+    everything = [START_PAUSES, FINISH_RESETS_RESUMES, UPDATE_FINISHES, UPDATE_STARTS]
+    servers = Servers({"a": 1, "b": 1})
+    servers.responses["a", "/init_weight_transfer_engine"] = httpx.Response(
+        200, json={"features": everything}
+    )
+    servers.responses["b", "/init_weight_transfer_engine"] = httpx.Response(
+        200, json={"features": [START_PAUSES]}
+    )
+    client = servers.client()
+    calls = {
+        START_PAUSES: (lambda: client.pause_and_start("wait"), "pause\\(mode\\) then start"),
+        FINISH_RESETS_RESUMES: (lambda: client.finish_reset_resume("v"), "finish_weight_upd"),
+        UPDATE_FINISHES: (
+            lambda: client.update_and_finish({}, "v", reset_caches=True, resume=True),
+            "update_weights\\(update_info\\) then finish_weight_update",
+        ),
+        UPDATE_STARTS: (
+            lambda: client.start_update_finish({}, "v", pause=None, reset_caches=True, resume=True),
+            "start_weight_update\\(\\), update_weights",
+        ),
+    }
+    for feature, (call, instead) in calls.items():
+        with pytest.raises(
+            NotAdvertised, match=f"'{feature}' at init, but no init_weight_transfer_engine"
+        ) as info:
+            call()
+        assert isinstance(info.value, ConfigError) and isinstance(info.value, RuntimeError)
+        assert f"call {instead}"[:5] in str(info.value)
+    client.init_weight_transfer_engine([{"rank_offset": 1}, {"rank_offset": 2}])
+    sent = len(servers.seen)
+    for feature, (call, instead) in calls.items():
+        if feature == START_PAUSES:
+            continue  # both named it
+        with pytest.raises(
+            NotAdvertised,
+            match=f"{feature}' at init, but http://b:8000 did not name it in its init reply "
+            f"\\(stock vLLM never does\\): call {instead}",
+        ) as info:
+            call()
+        assert "http://a:8000" not in str(info.value)
+    assert len(servers.seen) == sent  # nothing was sent
+    client.pause_and_start("abort")
+    assert len(servers.seen) == sent + 2
 
 
 def test_a_wait_pause_carries_its_bound_only_where_every_server_advertised_it() -> None:
