@@ -80,6 +80,9 @@ class HTTPWeightSyncClient(ServingRoutes):
         """Per server: the features its last init reply named (``routes.FINISH_RESETS_RESUMES``)."""
         self._inited = False
         """The last init succeeded on every server (its features are told)."""
+        self._version_features: list[frozenset[str]] | None = None
+        """Per server: the features its ``/version`` reply named (asked only before an init,
+        by a pause or sleep that waits); None: not asked."""
         self._served: list[Any] = [None] * len(self._clients)
         """Per server: the ``served_model`` its last init reply carried (raw JSON), if any."""
 
@@ -203,16 +206,23 @@ class HTTPWeightSyncClient(ServingRoutes):
         return all(routes.START_PAUSES in f for f in self._features)
 
     def bounds_pause_waits(self) -> bool:
-        """Every server's init reply named ``PAUSE_BOUNDS`` (the reference server; never stock
-        vLLM): a pause that waits carries ``wait_s``."""
-        return all(routes.PAUSE_BOUNDS in f for f in self._features)
+        """Every server named ``PAUSE_BOUNDS`` (the reference server; never stock vLLM): in
+        its last init reply, or, before any init, in its ``/version`` reply (asked by the
+        first pause or sleep that waits): a pause that waits carries ``wait_s``."""
+        told = self._features if self._inited else self._version_features
+        return told is not None and all(routes.PAUSE_BOUNDS in f for f in told)
 
     def _wait_bound(self, mode: str) -> dict[str, str]:
         """A ``wait`` pause's ``wait_s`` where every server takes it (``PAUSE_BOUNDS``): this
         client's request timeout less a margin, so the server's drain gives up (504, its pause
         undone) while this client still waits for the answer: a pause it gave up on never
-        takes effect later."""
-        if mode != "wait" or not self.bounds_pause_waits():
+        takes effect later. Before any init (a sleep between jobs, a pause before the trainer
+        connects) the servers' features are their ``/version`` replies' (asked once)."""
+        if mode != "wait":
+            return {}
+        if not self._inited and self._version_features is None:
+            self._ask_version_features()
+        if not self.bounds_pause_waits():
             return {}
         margin = min(_WAIT_MARGIN_MAX_S, max(_WAIT_MARGIN_MIN_S, _WAIT_MARGIN * self.timeout))
         return {routes.WAIT_BOUND: f"{max(self.timeout - margin, _WAIT_MARGIN_MIN_S):.3f}"}
@@ -232,6 +242,16 @@ class HTTPWeightSyncClient(ServingRoutes):
             f"{instead} instead (as a trainer engine does where this client's "
             f"{_ASKS[feature]}() is false)"
         )
+
+    def _ask_version_features(self) -> None:
+        """Each server's server-wide features, as its ``/version`` reply names them (the
+        reference server: ``PAUSE_BOUNDS``; stock vLLM's names none). Not kept when a server
+        did not answer: the call that asked fails the same way, and the next one asks again."""
+        try:
+            replies = self._all(routes.VERSION)
+        except WeightSyncError:
+            return
+        self._version_features = [_features(r) for r in replies]
 
     def pause_and_start(self, mode: str) -> None:
         """``pause(mode)`` then ``start_weight_update()`` on every server, in one request each
@@ -517,7 +537,8 @@ def _step_named(exc: WeightSyncError, steps: Sequence[routes.Route]) -> WeightSy
 
 
 def _features(reply: Any) -> frozenset[str]:
-    """The features an init reply names (none: a server that names none, e.g. stock vLLM)."""
+    """The features an init (or ``/version``) reply names (none: a server that names none, e.g.
+    stock vLLM)."""
     named = reply.get("features") if isinstance(reply, dict) else None
     if not isinstance(named, list):
         return frozenset()
