@@ -285,8 +285,13 @@ def test_a_sender_gone_after_bytes_nobody_read_counts_as_closed(end: str) -> Non
         for t in threads:
             t.join(10)
         assert not one.peer_closed() and not two.peer_closed()
+        assert one.bytes_unread() == 0
         root.broadcast(np.arange(64, dtype=np.uint8), timeout=10)  # nobody receives it
         assert not one.peer_closed(), "bytes waiting from a live sender are not a close"
+        deadline = time.monotonic() + 5  # the frame and its 64 bytes wait unread
+        while one.bytes_unread() < wire.FRAME.size + 64 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert one.bytes_unread() == wire.FRAME.size + 64
         getattr(root, end)()
         deadline = time.monotonic() + 5
         while not (one.peer_closed() and two.peer_closed()) and time.monotonic() < deadline:
@@ -295,3 +300,36 @@ def test_a_sender_gone_after_bytes_nobody_read_counts_as_closed(end: str) -> Non
     finally:
         for c in (root, one, two):
             c.close()
+
+
+def test_a_round_whose_trainer_bytes_wait_unread_past_its_transfer_bound_is_stale() -> None:
+    """``stale_reason``: a round with no update for longer than the link's transfer bound
+    while the trainer's bytes wait unread is stale (a live trainer's send of them gave up
+    at that bound; one that died mid-send keeps its FIN queued behind them, so
+    ``peer_closed`` stays false); within the bound, or with nothing waiting, it is not."""
+    from weightwire.backends.worker_base import ReceiveLink
+    from weightwire.torch_side.worker.session import stale_reason
+
+    class Link(ReceiveLink):
+        waiting = True
+
+        def receive(self, turn, progress):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+        def bytes_unread(self) -> bool:
+            return self.waiting
+
+        def abort(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    link = Link(device=None, timeout_s=2.0, depth=1)
+    now = time.monotonic()
+    why = stale_reason(link, now - 3.0, lease_s=300)
+    assert why is not None and "bytes wait unread on the data link with no update for 3 s" in why
+    assert "past its transfer bound (2 s)" in why
+    assert stale_reason(link, now - 1.0, lease_s=300) is None  # a late update may still come
+    link.waiting = False
+    assert stale_reason(link, now - 3.0, lease_s=300) is None  # idle, nothing sent: the lease

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from weightwire.control import HTTPWeightSyncClient
+from weightwire.control import HTTPWeightSyncClient, NotAdvertised
 from weightwire.shared.errors import ConfigError, WeightSyncError
 
 
@@ -188,7 +188,8 @@ def test_pause_resume_checker_info_and_auth() -> None:
     assert client.weight_info() == [{"message": "ok"}]
     client.shutdown_weight_transfer_engine()
     seen = [(p, b, q) for _, _, p, b, q in servers.seen]
-    assert seen[:5] == [
+    assert seen[:6] == [
+        ("/version", None, {}),  # before any init: does the server bound a wait? (stock: no)
         ("/pause", None, {"mode": "wait"}),
         ("/pause", None, {"mode": "keep", "clear_cache": "false"}),
         ("/resume", None, {}),
@@ -226,6 +227,64 @@ def test_bad_construction_is_refused() -> None:
         HTTPWeightSyncClient(["http://a:1", "a:1/"])
     with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
         HTTPWeightSyncClient("http://a:1", timeout=0)
+
+
+def test_a_round_call_no_server_advertised_is_refused_naming_the_servers() -> None:
+    """``pause_and_start`` / ``finish_reset_resume`` / ``update_and_finish`` /
+    ``start_update_finish`` where a server's init reply did not name their feature, or before
+    any init: ``NotAdvertised`` (a ``ConfigError`` and still a ``RuntimeError``) naming the
+    servers that lack it and the plain calls to make instead; nothing is sent (was a bare
+    ``RuntimeError('not every server advertised ...')`` naming no server)."""
+    from weightwire.shared.routes import (
+        FINISH_RESETS_RESUMES,
+        START_PAUSES,
+        UPDATE_FINISHES,
+        UPDATE_STARTS,
+    )
+
+    everything = [START_PAUSES, FINISH_RESETS_RESUMES, UPDATE_FINISHES, UPDATE_STARTS]
+    servers = Servers({"a": 1, "b": 1})
+    servers.responses["a", "/init_weight_transfer_engine"] = httpx.Response(
+        200, json={"features": everything}
+    )
+    servers.responses["b", "/init_weight_transfer_engine"] = httpx.Response(
+        200, json={"features": [START_PAUSES]}
+    )
+    client = servers.client()
+    calls = {
+        START_PAUSES: (lambda: client.pause_and_start("wait"), "pause\\(mode\\) then start"),
+        FINISH_RESETS_RESUMES: (lambda: client.finish_reset_resume("v"), "finish_weight_upd"),
+        UPDATE_FINISHES: (
+            lambda: client.update_and_finish({}, "v", reset_caches=True, resume=True),
+            "update_weights\\(update_info\\) then finish_weight_update",
+        ),
+        UPDATE_STARTS: (
+            lambda: client.start_update_finish({}, "v", pause=None, reset_caches=True, resume=True),
+            "start_weight_update\\(\\), update_weights",
+        ),
+    }
+    for feature, (call, instead) in calls.items():
+        with pytest.raises(
+            NotAdvertised, match=f"'{feature}' at init, but no init_weight_transfer_engine"
+        ) as info:
+            call()
+        assert isinstance(info.value, ConfigError) and isinstance(info.value, RuntimeError)
+        assert f"call {instead}"[:5] in str(info.value)
+    client.init_weight_transfer_engine([{"rank_offset": 1}, {"rank_offset": 2}])
+    sent = len(servers.seen)
+    for feature, (call, instead) in calls.items():
+        if feature == START_PAUSES:
+            continue  # both named it
+        with pytest.raises(
+            NotAdvertised,
+            match=f"{feature}' at init, but http://b:8000 did not name it in its init reply "
+            f"\\(stock vLLM never does\\): call {instead}",
+        ) as info:
+            call()
+        assert "http://a:8000" not in str(info.value)
+    assert len(servers.seen) == sent  # nothing was sent
+    client.pause_and_start("abort")
+    assert len(servers.seen) == sent + 2
 
 
 def test_a_wait_pause_carries_its_bound_only_where_every_server_advertised_it() -> None:
@@ -268,7 +327,7 @@ def test_a_wait_sleep_carries_the_pause_bound_only_where_every_server_advertised
             200, json={"features": named}
         )
         client = servers.client()  # timeout=5
-        client.sleep(1, "wait")  # before the init: nothing told yet
+        client.sleep(1, "wait")  # before the init: /version (a stock one) names nothing
         client.init_weight_transfer_engine({"rank_offset": 1, "world_size": 2})
         client.sleep(1, "wait")
         client.sleep(2, "abort")
@@ -278,3 +337,43 @@ def test_a_wait_sleep_carries_the_pause_bound_only_where_every_server_advertised
             {"level": "1", "mode": "wait", **({} if bound is None else {"wait_s": bound})},
             {"level": "2", "mode": "abort"},
         ], sent
+
+
+def test_a_wait_before_any_init_is_bounded_where_every_servers_version_names_it() -> None:
+    """Before any init the client learns ``PAUSE_BOUNDS`` from each server's ``/version`` reply
+    (asked once, by the first pause or sleep that waits): a sleep or pause that waits carries
+    ``wait_s`` where every server named it, never where one did not (stock vLLM's /version
+    names nothing: a mixed set gets no field), and an init's features then take over (was:
+    no bound before the init, the server drained up to ``--generate-timeout``)."""
+    from weightwire.shared.routes import PAUSE_BOUNDS
+
+    for told, bound in (({"a"}, None), ({"a", "b"}, "4.500")):
+        servers = Servers({"a": 1, "b": 1})
+        for host in told:
+            servers.responses[host, "/version"] = httpx.Response(
+                200, json={"version": "0.33.0+weightwire.0.1.0", "features": [PAUSE_BOUNDS]}
+            )
+        client = servers.client()  # timeout=5
+        client.pause("abort")  # no wait: nothing asked
+        assert servers.calls("/version") == [] and not client.bounds_pause_waits()
+        client.sleep(1, "wait")
+        client.pause("wait")
+        assert len(servers.calls("/version")) == 2  # once per server, then kept
+        assert client.bounds_pause_waits() is (bound is not None)
+        client.init_weight_transfer_engine([{"rank_offset": 1}, {"rank_offset": 2}])
+        client.sleep(1, "wait")  # the init replies (named nothing here) decide now
+        sent = [(p, q.get("wait_s")) for h, _, p, _, q in servers.seen if h == "a"]
+        assert sent == [
+            ("/pause", None),
+            ("/version", None),
+            ("/sleep", bound),
+            ("/pause", bound),
+            ("/init_weight_transfer_engine", None),
+            ("/sleep", None),
+        ], sent
+    servers = Servers({"a": 1})
+    servers.responses["a", "/version"] = httpx.Response(503, json={"error": "loading"})
+    client = servers.client()
+    client.sleep(1, "wait")  # an unanswered /version is not kept: asked again next time
+    client.sleep(1, "wait")
+    assert len(servers.calls("/version")) == 2

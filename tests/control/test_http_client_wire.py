@@ -181,11 +181,22 @@ def test_refused_connection_and_error_status_map_as_before(server: WireServer) -
 
 
 def test_a_closed_client_refuses_like_httpx(server: WireServer) -> None:
+    """A call after ``close()`` is a ``WeightSyncError`` (no response; still a
+    ``RuntimeError`` with httpx's words) naming the route, the server and the fix, on the
+    kept-alive path and on httpx's own (a caller's transport); was a bare ``RuntimeError``."""
     client = HTTPWeightSyncClient(server.url, timeout=5)
     client.start_weight_update()
     client.close()
-    with pytest.raises(RuntimeError, match="client has been closed"):
-        client.start_weight_update()
+    for closed in (client, HTTPWeightSyncClient(server.url, transport=httpx.HTTPTransport())):
+        closed.close()
+        with pytest.raises(
+            WeightSyncError,
+            match=r"start_weight_update failed on .* \(no response\): Cannot send a request, "
+            r"as the client has been closed .*make a new HTTPWeightSyncClient",
+        ) as info:
+            closed.start_weight_update()
+        assert isinstance(info.value, RuntimeError) and info.value.status is None
+        assert info.value.server == server.url
 
 
 def _until_idle_sockets_show_the_close(client: HTTPWeightSyncClient) -> None:

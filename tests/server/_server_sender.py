@@ -171,10 +171,23 @@ class TCPSender:
 def _subprocess_main() -> int:
     """Reads {"base_url", "replicas", "weights_npz", "buffer_size"} on stdin; inits, starts,
     posts the update, waits until the server is receiving it, broadcasts ONE chunk of
-    several, prints "sent-one-chunk" and blocks until killed."""
+    several, prints "sent-one-chunk" and blocks until killed.
+
+    With {"stuff_bytes": N, "timeout_s": T} instead: inits (``timeout_s`` T), starts, and
+    broadcasts N bytes with no update posted (no worker reads them: past the sockets'
+    buffers the broadcast blocks), prints "stuffed" and blocks until killed."""
     cfg = json.loads(sys.stdin.readline())
     client = VLLMStyleClient(cfg["base_url"])
     sender = TCPSender(client, replicas=cfg["replicas"], buffer_size=cfg["buffer_size"])
+    if "stuff_bytes" in cfg:
+        sender.init(timeout_s=cfg["timeout_s"])
+        client.start_weight_update()
+        stuffing = np.zeros(cfg["stuff_bytes"], dtype=np.uint8)
+        Background(lambda: sender.comm.broadcast(stuffing, timeout=TIMEOUT_S))
+        time.sleep(0.5)  # the kernel's buffers fill at once; the broadcast then blocks
+        print("stuffed", flush=True)
+        sys.stdin.readline()  # blocks: the test kills this process here
+        return 0
     weights = dict(np.load(cfg["weights_npz"]))
     sender.init()
     client.start_weight_update()

@@ -19,7 +19,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from weightwire.backends.tcp.spec import TCP
-from weightwire.control.client import HTTPWeightSyncClient
+from weightwire.control.client import HTTPWeightSyncClient, NotAdvertised
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.info import encode_secret
 from weightwire.shared.routes import (
@@ -180,8 +180,9 @@ def test_the_client_asks_only_where_every_server_named_it() -> None:
     assert not both.finishes_with_resume()  # before init: nothing named
     both.init_weight_transfer_engine([INIT, INIT])
     assert not both.finishes_with_resume()  # b (a stock vLLM, say) names nothing
-    with pytest.raises(RuntimeError, match="not every server advertised"):
+    with pytest.raises(NotAdvertised, match="http://b:1 did not name it") as info:
         both.finish_reset_resume("v")
+    assert isinstance(info.value, RuntimeError) and "http://a:1" not in str(info.value)
     one = HTTPWeightSyncClient("http://a:1", transport=httpx.MockTransport(handler))
     one.init_weight_transfer_engine(INIT)
     assert one.finishes_with_resume()

@@ -138,3 +138,29 @@ def test_a_wait_sleep_past_its_clients_bound_is_504_and_undone_never_sleeping_la
         assert http.get("/is_sleeping").json() == {"is_sleeping": False}
     finally:
         http.close()
+
+
+def test_a_wait_sleep_before_any_init_is_bounded_by_its_client_and_never_sleeps_later(
+    server,
+) -> None:
+    """A client that never ran an init (a sleep between jobs) learns ``pause_bounds`` from
+    the server's ``/version``: its ``sleep(mode="wait")`` carries ``wait_s`` (its timeout 2 s
+    less 0.5), so the server answers 504 "did not sleep" before the client gives up, and once
+    the generation ends the server is still awake (was: no ``wait_s`` before an init, the
+    drain ran to ``--generate-timeout``, the client gave up with no answer, and the server
+    slept later, for a caller told it failed)."""
+    t, out = running_generation(server.url)
+    try:
+        with HTTPWeightSyncClient(server.url, timeout=2) as fresh:
+            with pytest.raises(WeightSyncError, match="the server did not sleep") as info:
+                fresh.sleep(1, "wait")
+            _still_running(out)
+            assert info.value.status == 504, info.value
+            assert "still running after 1.5 s (mode=wait)" in info.value.message
+            assert fresh.is_sleeping() == [False]
+    finally:
+        t.join(60)
+    assert out and out[0].status_code == 200
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert http.get("/is_paused").json() == {"is_paused": False}

@@ -134,7 +134,10 @@ def test_right_key_passes_and_open_routes_need_none(server, http: httpx.Client) 
     assert http.get("/get_world_size").json() == {"world_size": 1}
     assert http.get("/get_world_size", params={"include_dp": "false"}).json() == {"world_size": 1}
     assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/version").json() == {"version": "0.33.0+weightwire.0.1.0"}
+    assert httpx.get(server.url + "/version").json() == {
+        "version": "0.33.0+weightwire.0.1.0",
+        "features": ["pause_bounds"],  # server-wide: a client learns it before any init
+    }
     assert http.get("/weight_info").json()["weight_version"] == "default"
 
 

@@ -117,12 +117,13 @@ def test_client_sends_vllm_query_parameters() -> None:
     client.sleep(2, mode="wait")
     assert client.wake_up(["weights", "kv_cache"]) == [True]
     assert client.is_sleeping() == [True]
-    assert str(seen[0].url) == "http://s/sleep?level=2&mode=wait"
-    assert str(seen[1].url) == "http://s/wake_up?tags=weights&tags=kv_cache"
+    assert str(seen[0].url) == "http://s/version"  # a wait before any init: bounded there?
+    assert str(seen[1].url) == "http://s/sleep?level=2&mode=wait"  # no: a stock reply
+    assert str(seen[2].url) == "http://s/wake_up?tags=weights&tags=kv_cache"
     with pytest.raises(ValueError, match="sleep level must be one of"):
         client.sleep(3)
     with pytest.raises(ValueError, match="unknown wake_up tags"):
         client.wake_up(["gpu"])
     with pytest.raises(TypeError, match="not one string"):
         client.wake_up("weights")  # type: ignore[arg-type]
-    assert len(seen) == 3  # refused before anything was sent
+    assert len(seen) == 4  # refused before anything was sent

@@ -408,10 +408,6 @@ BARE_BUILTINS = ("ValueError", "TypeError", "RuntimeError", "AssertionError", "K
 KNOWN_BARE: dict[tuple[str, str], int] = {
     # the registry's own declarations disagree (a package's spec.py), at import
     ("weightwire/backends/__init__.py", "RuntimeError"): 3,
-    # the WeightSyncClient's round calls asked only after the init told the capability
-    ("weightwire/control/client.py", "RuntimeError"): 4,
-    # httpx's own closed-client text, kept for callers matching it
-    ("weightwire/control/request_path.py", "RuntimeError"): 1,
     # the packer's plan invariants; a GPU missing after the backend's own check refused it
     ("weightwire/jax_side/packer.py", "ValueError"): 1,
     ("weightwire/jax_side/packer.py", "RuntimeError"): 1,

@@ -59,25 +59,27 @@ def two_ranks(
     rounds: Callable[[int, Any], list[Outcome]],
     timeouts: Timeouts,
     scale: float,
+    size: int = 2,
+    **info: Any,
 ) -> list[list[Outcome]]:
-    """``rounds(rank, engine)`` on ranks 0 and 1 (JAX engines, each holding every tensor
-    times ``scale``, a test's own: rank 0 sends alone), each engine shut down after; every
-    rank's outcomes."""
+    """``rounds(rank, engine)`` on ranks 0 to ``size - 1`` (JAX engines, each holding every
+    tensor times ``scale``, a test's own: rank 0 sends alone; ``info``: more
+    ``TrainerInitInfo`` fields), each engine shut down after; every rank's outcomes."""
     import jax.numpy as jnp
 
     from weightwire.jax_side.dtypes import describe
     from weightwire.jax_side.engine import JAXTrainerEngine
 
-    groups = DictGroup.make(2)
-    out: list[Any] = [None, None]
+    groups = DictGroup.make(size)
+    out: list[Any] = [None] * size
 
     def rank(r: int) -> None:
         source = DictSource({k: jnp.asarray(v) * scale for k, v in tensors.items()}, describe)
-        info = TrainerInitInfo(backend="weightwire_tcp", rank=r, timeouts=timeouts)
+        init = TrainerInitInfo(backend="weightwire_tcp", rank=r, timeouts=timeouts, **info)
         client = HTTPWeightSyncClient(url) if r == 0 else None
         try:
             engine = JAXTrainerEngine.trainer_init(
-                info, client=client, source=source, group=groups[r]
+                init, client=client, source=source, group=groups[r]
             )
             try:
                 out[r] = rounds(r, engine)
@@ -89,13 +91,13 @@ def two_ranks(
             if client is not None:
                 client.close()
 
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(size)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     assert not any(t.is_alive() for t in threads), "a rank still waits"
-    for r in (0, 1):
+    for r in range(size):
         assert isinstance(out[r], list), f"rank {r}: {out[r]!r}"
     return out
 
@@ -255,17 +257,21 @@ def test_a_rank_that_shut_down_fails_the_others_next_round_at_once(
 def test_a_rank_whose_own_pass_failed_learns_the_round_rank_zero_committed(
     server_url: str, checkpoint: dict[str, np.ndarray], client: HTTPWeightSyncClient
 ) -> None:
+    """Rank 1's pass fails after rank 0 ended the round (its verdict posted): rank 1 raises
+    its own error at once, the committed round noted on it; both ranks' next round commits."""
     timeouts = Timeouts(http_s=6, connect_s=20, warmup_s=20, transfer_s=10)
     failures: list[BaseException] = []
+    ended = threading.Event()
 
     def rounds(rank: int, engine: Any) -> list[Outcome]:
         source = engine.session.source
-        if rank == 1:  # its getter raises mid-pass, once
+        if rank == 1:  # its getter raises at its pass's end, once rank 0 committed
 
             class Failing(type(source)):  # type: ignore[misc]
                 def __iter__(self) -> Iterator[tuple[str, Any]]:
                     yield next(iter(self.tensors.items()))
                     source.__class__ = DictSource
+                    assert ended.wait(30)
                     raise RuntimeError("rank 1's getter failed")
 
             source.__class__ = Failing
@@ -274,7 +280,9 @@ def test_a_rank_whose_own_pass_failed_learns_the_round_rank_zero_committed(
             except RuntimeError as exc:
                 failures.append(exc)
             return [attempt(engine, "next")]
-        return [attempt(engine, "own-pass"), attempt(engine, "next")]
+        done = [attempt(engine, "own-pass")]
+        ended.set()
+        return [*done, attempt(engine, "next")]
 
     zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 4.0)
     assert zero[0][:2] == ("ok", "own-pass"), zero
@@ -287,6 +295,103 @@ def test_a_rank_whose_own_pass_failed_learns_the_round_rank_zero_committed(
     ]
     assert zero[1][:2] == ("ok", "next") and one[0][:2] == ("ok", "next")
     assert served(client)[1] == "next"
+
+
+@pytest.mark.parametrize(
+    "update_out",
+    [False, True],
+    ids=["before-the-update", "after-the-update"],
+)
+def test_a_rank_whose_own_pass_fails_mid_round_stops_it_on_every_rank_at_once(
+    server_url: str,
+    checkpoint: dict[str, np.ndarray],
+    client: HTTPWeightSyncClient,
+    update_out: bool,
+) -> None:
+    """Three ranks, rank 0 sending alone (slowly); rank 1's own pass fails mid-round: it
+    tells rank 0 and raises its own error at once; rank 0 stops the round at its next tensor
+    and raises ``RoundFailed`` naming rank 1 and why, and so does rank 2 (rank 0's verdict),
+    all within a second or two; the servers keep their weights, and every engine is where
+    rank 0's is (rank 1's learns it from the next agreement): kept where rank 0 stopped
+    before any call, broken where its start and update were out (a chunk per tensor, three
+    sent). Was: rank 0 sent its whole slow pass and committed, rank 1 waited for that
+    verdict, rank 2 never heard."""
+    timeouts = Timeouts(http_s=6, connect_s=20, warmup_s=20, transfer_s=10)
+    before = served(client)
+    failed = threading.Event()
+    failures: list[tuple[BaseException, float]] = []
+    after: list[Any] = []
+    sent: list[int] = []  # rank 0's HTTP calls in the stopped round
+    holding = threading.Event()
+    hold = 3 if update_out else 0  # rank 0's tensors out before it waits for rank 1's failure
+
+    def rounds(rank: int, engine: Any) -> list[Outcome]:
+        source = engine.session.source
+        if rank == 0:  # after its first tensor(s): one a second, once rank 1 failed
+
+            class Slow(type(source)):  # type: ignore[misc]
+                def __iter__(self) -> Iterator[tuple[str, Any]]:
+                    for i, pair in enumerate(self.tensors.items()):
+                        if i == hold:
+                            holding.set()
+                            assert failed.wait(30)
+                        if i >= hold:
+                            time.sleep(1.0)
+                        yield pair
+
+            source.__class__ = Slow
+        if rank == 1:
+
+            class Failing(type(source)):  # type: ignore[misc]
+                def __iter__(self) -> Iterator[tuple[str, Any]]:
+                    yield next(iter(self.tensors.items()))
+                    assert holding.wait(30)
+                    failed.set()
+                    raise RuntimeError("rank 1's getter failed")
+
+            source.__class__ = Failing
+            started = time.monotonic()
+            try:
+                engine.send_weights("stopped")
+            except RuntimeError as exc:
+                failures.append((exc, time.monotonic() - started))
+            source.__class__ = DictSource
+            return [attempt(engine, "next")]
+        calls = engine.session.client.http_calls if rank == 0 else 0
+        done = [attempt(engine, "stopped")]
+        source.__class__ = DictSource
+        if rank == 0:
+            after.append(served(client))
+            sent.append(engine.session.client.http_calls - calls)
+        return [*done, attempt(engine, "next")]
+
+    chunks = {"packed_buffer_size_bytes": 128 << 10} if update_out else {}  # the largest tensor
+    zero, one, two = two_ranks(
+        server_url, checkpoint, rounds, timeouts, 6.0 if update_out else 5.0, size=3, **chunks
+    )
+    ((exc, seconds),) = failures
+    assert str(exc) == "rank 1's getter failed" and seconds < 2.0, (exc, seconds)
+    (note,) = exc.__notes__  # rank 0's verdict where it came first (a loaded machine)
+    assert "told rank 0, which stops the round at its next tensor" in note or (
+        "trainer rank 0 reported the round failed too: RoundFailed: trainer rank 1's" in note
+    ), note
+    for rank, outcome in ((0, zero[0]), (2, two[0])):
+        kind, text, took = outcome
+        assert kind == RoundFailed.__name__ and took < 4.0, (rank, outcome)
+        assert "trainer rank 1's own pass over its source failed" in text, text
+        assert "RuntimeError: rank 1's getter failed" in text, text
+    assert after == [before]  # nothing committed, nothing half-new
+    # every engine where rank 0's is: kept (stopped before its update went out), so the next
+    # round commits on every rank; or broken (its update was out) on every rank
+    if not update_out:  # no call went out: rank 0 kept its engine, and so did every rank
+        assert sent == [0], sent
+        assert zero[1][:2] == one[0][:2] == two[1][:2] == ("ok", "next"), (zero, one, two)
+        assert served(client)[1] == "next"
+    else:  # the start and update were out, the round aborted: every engine broken
+        assert sent[0] >= 2, sent
+        assert zero[1][0] == two[1][0] == EngineBroken.__name__, (zero, two)
+        assert one[0][0] in (EngineBroken.__name__, RoundFailed.__name__), one
+        assert served(client) == before
 
 
 def test_a_rank_zero_later_than_the_others_bound_runs_no_round_they_reported_failed(

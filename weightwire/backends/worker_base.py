@@ -120,6 +120,11 @@ class ReceiveLink(ABC):
         """True when the trainer is known to be gone (it closed the wire) without traffic."""
         return False
 
+    def bytes_unread(self) -> bool:
+        """Between receives: the trainer's bytes wait on the link with no update reading
+        them (checked without traffic; a link that cannot tell says False)."""
+        return False
+
     def early_landing(self) -> frozenset[str] | None:
         """At a round's start: the tensors the trainer may write straight into the serving
         parameters from now on, before the update arrives (this session's landing table

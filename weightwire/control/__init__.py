@@ -4,13 +4,14 @@
 actors (``ray`` imported lazily). Both raise ``WeightSyncError`` on any failure.
 """
 
-from weightwire.control.client import HTTPWeightSyncClient
+from weightwire.control.client import HTTPWeightSyncClient, NotAdvertised
 from weightwire.control.ray_client import RayWeightSyncClient
 from weightwire.control.ready import ServerNotReady, wait_until_ready
 from weightwire.shared.errors import WeightSyncError
 
 __all__ = [
     "HTTPWeightSyncClient",
+    "NotAdvertised",
     "RayWeightSyncClient",
     "ServerNotReady",
     "WeightSyncError",

@@ -36,6 +36,16 @@ from weightwire.shared.routes import PAUSE_MODES, SERVED_MODEL, SERVED_MODEL_MET
 from weightwire.shared.served import ServedModel, from_worker_answers
 
 
+class NotAdvertised(ConfigError, RuntimeError):
+    """A call that needs a feature every server names in its init reply (``pause_and_start``:
+    ``START_PAUSES``, ...), made where a server did not name it (stock vLLM never does) or
+    before any init; the message names those servers and the calls to use instead. Nothing
+    was sent.
+
+    Also a ``RuntimeError``, which such a call raised before it had a class of its own.
+    """
+
+
 class HTTPWeightSyncClient(ServingRoutes):
     """Drive one or more vLLM servers' weight-sync routes.
 
@@ -68,6 +78,11 @@ class HTTPWeightSyncClient(ServingRoutes):
         self._servers: list[ServerTopology] = []
         self._features: list[frozenset[str]] = [frozenset()] * len(self._clients)
         """Per server: the features its last init reply named (``routes.FINISH_RESETS_RESUMES``)."""
+        self._inited = False
+        """The last init succeeded on every server (its features are told)."""
+        self._version_features: list[frozenset[str]] | None = None
+        """Per server: the features its ``/version`` reply named (asked only before an init,
+        by a pause or sleep that waits); None: not asked."""
         self._served: list[Any] = [None] * len(self._clients)
         """Per server: the ``served_model`` its last init reply carried (raw JSON), if any."""
 
@@ -95,6 +110,7 @@ class HTTPWeightSyncClient(ServingRoutes):
             bodies = [{"init_info": info} for info in infos]
         self._sessions = [None] * len(self._clients)  # a failed init leaves no session to claim
         self._features = [frozenset()] * len(self._clients)
+        self._inited = False
         self._served = [None] * len(self._clients)
         replies = self._all(routes.INIT, bodies=bodies)
         # A server that owns sessions returns an id; later weight calls prove with it that
@@ -106,6 +122,7 @@ class HTTPWeightSyncClient(ServingRoutes):
             for r in replies
         ]
         self._features = [_features(r) for r in replies]
+        self._inited = True
         self._served = [
             r.get(SERVED_MODEL) if SERVED_MODEL in f and isinstance(r, dict) else None
             for r, f in zip(replies, self._features, strict=True)
@@ -189,19 +206,52 @@ class HTTPWeightSyncClient(ServingRoutes):
         return all(routes.START_PAUSES in f for f in self._features)
 
     def bounds_pause_waits(self) -> bool:
-        """Every server's init reply named ``PAUSE_BOUNDS`` (the reference server; never stock
-        vLLM): a pause that waits carries ``wait_s``."""
-        return all(routes.PAUSE_BOUNDS in f for f in self._features)
+        """Every server named ``PAUSE_BOUNDS`` (the reference server; never stock vLLM): in
+        its last init reply, or, before any init, in its ``/version`` reply (asked by the
+        first pause or sleep that waits): a pause that waits carries ``wait_s``."""
+        told = self._features if self._inited else self._version_features
+        return told is not None and all(routes.PAUSE_BOUNDS in f for f in told)
 
     def _wait_bound(self, mode: str) -> dict[str, str]:
         """A ``wait`` pause's ``wait_s`` where every server takes it (``PAUSE_BOUNDS``): this
         client's request timeout less a margin, so the server's drain gives up (504, its pause
         undone) while this client still waits for the answer: a pause it gave up on never
-        takes effect later."""
-        if mode != "wait" or not self.bounds_pause_waits():
+        takes effect later. Before any init (a sleep between jobs, a pause before the trainer
+        connects) the servers' features are their ``/version`` replies' (asked once)."""
+        if mode != "wait":
+            return {}
+        if not self._inited and self._version_features is None:
+            self._ask_version_features()
+        if not self.bounds_pause_waits():
             return {}
         margin = min(_WAIT_MARGIN_MAX_S, max(_WAIT_MARGIN_MIN_S, _WAIT_MARGIN * self.timeout))
         return {routes.WAIT_BOUND: f"{max(self.timeout - margin, _WAIT_MARGIN_MIN_S):.3f}"}
+
+    def _not_advertised(self, feature: str, call: str, instead: str) -> NotAdvertised:
+        """The refusal of ``call``, which needs ``feature`` in every server's init reply."""
+        if not self._inited:
+            why = "no init_weight_transfer_engine has succeeded on this client yet"
+        else:
+            lacking = [
+                u for u, f in zip(self.base_urls, self._features, strict=True) if feature not in f
+            ]
+            its = "its init reply" if len(lacking) == 1 else "their init replies"
+            why = f"{', '.join(lacking)} did not name it in {its} (stock vLLM never does)"
+        return NotAdvertised(
+            f"{call} needs every server to advertise {feature!r} at init, but {why}: call "
+            f"{instead} instead (as a trainer engine does where this client's "
+            f"{_ASKS[feature]}() is false)"
+        )
+
+    def _ask_version_features(self) -> None:
+        """Each server's server-wide features, as its ``/version`` reply names them (the
+        reference server: ``PAUSE_BOUNDS``; stock vLLM's names none). Not kept when a server
+        did not answer: the call that asked fails the same way, and the next one asks again."""
+        try:
+            replies = self._all(routes.VERSION)
+        except WeightSyncError:
+            return
+        self._version_features = [_features(r) for r in replies]
 
     def pause_and_start(self, mode: str) -> None:
         """``pause(mode)`` then ``start_weight_update()`` on every server, in one request each
@@ -210,7 +260,9 @@ class HTTPWeightSyncClient(ServingRoutes):
         if mode not in PAUSE_MODES:
             raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         if not self.starts_with_pause():
-            raise RuntimeError("not every server advertised start_pauses at init")
+            raise self._not_advertised(
+                routes.START_PAUSES, "pause_and_start", "pause(mode) then start_weight_update()"
+            )
         self._all(routes.START, params={"pause": mode, **self._wait_bound(mode)})
 
     def finishes_with_resume(self) -> bool:
@@ -227,7 +279,11 @@ class HTTPWeightSyncClient(ServingRoutes):
         resumed nothing); a server that committed but refused the resume (asleep) raises
         ``WeightSyncError`` for ``resume`` after every server answered."""
         if not self.finishes_with_resume():
-            raise RuntimeError("not every server advertised finish_resets_resumes at init")
+            raise self._not_advertised(
+                routes.FINISH_RESETS_RESUMES,
+                "finish_reset_resume",
+                "finish_weight_update(weight_version), then reset_prefix_cache() and resume()",
+            )
         params = {"reset_caches": "true", "resume": "true" if resume else "false"}
         replies = self._all(routes.FINISH, {"weight_version": weight_version}, params=params)
         refused = refused_resume(replies, self.base_urls, "finish") if resume else None
@@ -259,7 +315,11 @@ class HTTPWeightSyncClient(ServingRoutes):
         if weight_version is not None and not isinstance(weight_version, str):
             raise WrongType(f"weight_version must be a str, got {type(weight_version).__name__}")
         if not self.updates_with_finish():
-            raise RuntimeError("not every server advertised update_finishes at init")
+            raise self._not_advertised(
+                routes.UPDATE_FINISHES,
+                "update_and_finish",
+                "update_weights(update_info) then finish_weight_update(weight_version)",
+            )
         body: dict[str, Any] = {"update_info": update_info}
         if weight_version is not None:
             body["weight_version"] = weight_version
@@ -301,7 +361,11 @@ class HTTPWeightSyncClient(ServingRoutes):
         if pause is not None and pause not in PAUSE_MODES:
             raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {pause!r}")
         if not self.updates_with_start():
-            raise RuntimeError("not every server advertised update_starts at init")
+            raise self._not_advertised(
+                routes.UPDATE_STARTS,
+                "start_update_finish",
+                "start_weight_update(), update_weights(...), finish_weight_update(...)",
+            )
         body: dict[str, Any] = {"update_info": update_info}
         if weight_version is not None:
             body["weight_version"] = weight_version
@@ -453,6 +517,15 @@ succeeded (``_request`` raises for any non-2xx status, and the reference server 
 200); its ``resumed: false`` and ``resume_error`` are the server's word on the resume."""
 
 
+_ASKS = {
+    routes.START_PAUSES: "starts_with_pause",
+    routes.FINISH_RESETS_RESUMES: "finishes_with_resume",
+    routes.UPDATE_FINISHES: "updates_with_finish",
+    routes.UPDATE_STARTS: "updates_with_start",
+}
+"""Each round feature's question (the method that says every server named it)."""
+
+
 def _step_named(exc: WeightSyncError, steps: Sequence[routes.Route]) -> WeightSyncError:
     """An error of an update that carried other steps, named for the step that failed: the
     server's message begins with that step's route (``start_weight_update refused: ...``,
@@ -464,7 +537,8 @@ def _step_named(exc: WeightSyncError, steps: Sequence[routes.Route]) -> WeightSy
 
 
 def _features(reply: Any) -> frozenset[str]:
-    """The features an init reply names (none: a server that names none, e.g. stock vLLM)."""
+    """The features an init (or ``/version``) reply names (none: a server that names none, e.g.
+    stock vLLM)."""
     named = reply.get("features") if isinstance(reply, dict) else None
     if not isinstance(named, list):
         return frozenset()

@@ -17,7 +17,9 @@ default headers, the API key, the timeout), and hands it to a transport: for a p
 under httpx's transport interface); otherwise (``https``, an environment proxy, the
 ``transport=`` a test passes) the transport the client itself would have used. Either
 way the caller sees httpx: ``httpx.Response`` and httpx's exception classes
-(``TimeoutException``, ``ConnectError``, ...), so the error mapping is unchanged.
+(``TimeoutException``, ``ConnectError``, ...), so the error mapping is unchanged; a request
+on a closed client is refused as ``WeightSyncError`` (no answer), where httpx raises a bare
+``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.routes import Route
 
 _KEPT_URLS = 256
@@ -88,10 +91,17 @@ class RequestPath:
             content=content,
             extensions=self.extensions,
         )
+        if self.client.is_closed:  # never reopen a closed client's pool (as Client.send)
+            raise WeightSyncError(
+                route.name,
+                None,
+                # httpx's own words first, for callers that match them
+                "Cannot send a request, as the client has been closed (close() or its "
+                "engine's shutdown() ran): make a new HTTPWeightSyncClient",
+                self.base_url,
+            )
         if self.transport is None:
             return self.client.send(request)
-        if self.client.is_closed:  # what Client.send says: never reopen a closed client's pool
-            raise RuntimeError("Cannot send a request, as the client has been closed.")
         response = self.transport.handle_request(request)
         try:
             response.read()

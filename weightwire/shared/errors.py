@@ -18,6 +18,7 @@ defined outside this module)::
         AdapterRefused                       [weightwire.trainer.lora]
         ServedModelMismatch                  [weightwire.shared.served]
         QuantizationError                    [weightwire.shared.quant]
+        NotAdvertised (RuntimeError)         [weightwire.control.client]
       TransferError (RuntimeError)
         TransferTimeout (TimeoutError)
         PeerLost (ConnectionError)

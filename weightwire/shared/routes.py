@@ -97,8 +97,9 @@ requests (``/pause?mode=wait``, a start's ``pause=wait``, the round in one reque
 answer: the drain stops at the smaller of it and the server's own bound (``--generate-timeout``),
 answering 504 with the pause (or the sleep) it took undone, so one its client gave up on never
 takes effect later. The trainer's client sets it from its own request timeout
-(``control.client``). Stock vLLM has none (its /pause and /sleep take no such field): it is
-never sent there."""
+(``control.client``). The reference server names it in its ``/version`` reply too, so a
+client's pause or sleep before any init is bounded as well. Stock vLLM has none (its /pause
+and /sleep take no such field): it is never sent there."""
 
 WAIT_BOUND = "wait_s"
 """``PAUSE_BOUNDS``' query field: seconds, a positive number."""

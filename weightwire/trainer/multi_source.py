@@ -40,7 +40,10 @@ usable and the next round's agreement carries rank 0's last verdict (``settled``
 that shuts down, or whose engine is broken, posts the next agreement as its leaving: the others'
 next round fails at once naming it; a rank that refuses a round before its agreement
 (``send_weights(wait=False)``) posts its refusal as it, so every rank refuses that round at
-once and stays usable.
+once and stays usable. A rank whose own pass over its source fails while rank 0 sends alone
+tells rank 0 at once and raises its own error: rank 0 stops the round at its next tensor
+(``OwnPasses``), so it and the other ranks raise ``RoundFailed`` naming that rank, each engine
+kept or broken as rank 0's (the failed rank's: by the next round's agreement).
 ``weightwire_tcp`` and ``weightwire_nccl`` run several broadcasters (``check_receiver``);
 a single-broadcaster plan is the engine's own one-turn round, its verdict published.
 """
@@ -70,7 +73,7 @@ from weightwire.trainer.broadcast_plan import (
 )
 from weightwire.trainer.fp8_source import Fp8Source
 from weightwire.trainer.gating import server_features
-from weightwire.trainer.group import GroupTimeout, TrainerGroup
+from weightwire.trainer.group import Exchange, GroupTimeout, TrainerGroup
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics
 from weightwire.trainer.multi_base import PlannedBroadcast, Ranks, RoundFailed, SeveralWire
 from weightwire.trainer.multi_group import GroupWire
@@ -78,6 +81,7 @@ from weightwire.trainer.multi_sliced import SeveralSlicing, slices_across
 from weightwire.trainer.multi_star import StarWire
 from weightwire.trainer.round import Round, lead_round
 from weightwire.trainer.session import Session, open_wire, refuse_no_tensors
+from weightwire.trainer.snapshot import cancellable
 from weightwire.trainer.sole_round import SoleRounds, sliced_round
 
 logger = logging.getLogger(__name__)
@@ -86,6 +90,7 @@ __all__ = ["MultiSource", "RoundFailed"]
 
 _SKEW_S = 1.0  # how far two trainer hosts' clocks may be apart (seconds)
 _LATE_S = 0.001  # a follower's look for a verdict rank 0 posted when it gave up on the agreement
+_LOOK_S = 0.05  # how often rank 0, sending alone, looks whether another rank's own pass failed
 
 
 def check_versions(versions: list[str | None]) -> None:
@@ -100,6 +105,47 @@ def check_versions(versions: list[str | None]) -> None:
             f"trainer ranks disagree on the round's weight_version: rank 0 {versions[0]!r}, "
             f"{named}; pass the same weight_version on every rank (or on rank 0 only)"
         )
+
+
+class OwnPasses:
+    """Rank 0's look, while it sends a round alone, at the other ranks' own passes over their
+    sources (each posts ``pass`` once its pass ended, or failed): asked before each tensor
+    of rank 0's pass (``snapshot.cancellable``), at most every ``_LOOK_S``, each read bounded
+    by ``_LATE_S``. A rank whose pass failed stops rank 0's pass with ``failure()``, a
+    ``RoundFailed`` naming that rank and its error, so the round fails on every rank at once
+    by the usual rules (rank 0's verdict)."""
+
+    def __init__(self, exchange: Exchange, ranks: range) -> None:
+        self._exchange = exchange
+        self._waiting = list(ranks)
+        self._next = 0.0
+        self._failed: RoundFailed | None = None
+
+    def is_set(self) -> bool:
+        if self._failed is not None:
+            return True
+        now = time.monotonic()
+        if not self._waiting or now < self._next:
+            return False
+        self._next = now + _LOOK_S
+        for r in list(self._waiting):
+            try:
+                told = self._exchange.get("pass", r, _LATE_S)
+            except GroupTimeout:
+                continue  # still passing (or gone: rank 0's verdict wait is its own bound)
+            self._waiting.remove(r)
+            if told.get("error"):
+                self._failed = RoundFailed(
+                    f"trainer rank {r}'s own pass over its source failed while rank 0 sent "
+                    f"the round alone ({told['error']}): rank 0 stopped the round at its next "
+                    "tensor, on every rank"
+                )
+                return True
+        return False
+
+    def failure(self) -> BaseException:
+        assert self._failed is not None
+        return self._failed
 
 
 @dataclass(frozen=True)
@@ -326,10 +372,12 @@ class MultiSource:
             # rank 0 publishes the round's version, the others the one they asked for
             asked = s.next_version(version) if self.rank == 0 else version
             bound = s.info.timeouts.http_s
+            sliced = False
             try:
                 told: dict[str, Any] = {"version": asked, "at": time.time()}
                 if self.rank == 0:
                     told["last"] = self._last  # for a rank that gave up on its verdict
+                sliced = bool(metas) and self._sliced(metas, draft)
                 agreed = self._agree(
                     "round",
                     metas,
@@ -337,7 +385,7 @@ class MultiSource:
                     None,
                     bound,
                     fits=not draft,
-                    sliced=bool(metas) and self._sliced(metas, draft),
+                    sliced=sliced,
                     tensors=True,
                 )
                 if self.rank == 0:
@@ -356,7 +404,14 @@ class MultiSource:
             self._told = False
             try:
                 if not bplan.multi:
-                    return self._sole_round(metas, s.next_version(version), clock, draft, self)
+                    named = s.next_version(version)
+                    if sliced or self.exchange.group.size == 1:
+                        return self._sole_round(metas, named, clock, draft, self)
+                    # the other ranks pass over their own sources meanwhile: one that fails
+                    # stops this round at rank 0's next tensor
+                    passes = OwnPasses(self.exchange, range(1, self.exchange.group.size))
+                    source = cancellable(s.source, passes, passes.failure)
+                    return self._sole_round(metas, named, clock, draft, self, source=source)
                 metrics = lead_round(
                     s, Round(s.next_version(version), bplan, metas, self.wire, draft), clock, self
                 )
@@ -382,8 +437,9 @@ class MultiSource:
                         for _ in s.source:
                             pass
                     except BaseException as exc:
-                        self._note_outcome(exc)
+                        self._own_pass_failed(exc)
                         raise
+                    self.exchange.post("pass", {"error": None})  # rank 0's OwnPasses
             verdict = self._await_verdict(None)
             return RoundMetrics(
                 verdict["version"],
@@ -419,19 +475,35 @@ class MultiSource:
         except Exception as exc:  # a store already gone: the others' bound still holds
             logger.debug("could not tell the group this rank refused the round: %s", exc)
 
-    def _note_outcome(self, exc: BaseException) -> None:
-        """This rank's own pass over its source failed while rank 0 sends the round alone
-        (it reads nothing of this rank): the round's outcome, as a note on this rank's error
-        (was: raised at once, silent on a round the servers went on to commit)."""
-        t = self.session.info.timeouts
+    def _own_pass_failed(self, exc: BaseException) -> None:
+        """This rank's own pass over its source failed while rank 0 sends the round alone: it
+        tells rank 0 at once (``OwnPasses``: rank 0 stops the round at its next tensor, and
+        every other rank raises rank 0's ``RoundFailed`` naming this rank), then raises its own
+        error at once, the round's outcome as a note on it: rank 0's verdict where it was
+        posted already, else told by the next round's agreement (``_settle``, which breaks
+        this engine where rank 0 broke its own). Was: this rank waited for rank 0's verdict
+        (``http_s`` x 3 + ``transfer_s``) while rank 0 sent on, unaware."""
+        why = f"{type(exc).__name__}: {exc}"
         try:
-            verdict = self.exchange.get("verdict", 0, t.http_s * 3 + t.transfer_s)
-        except GroupTimeout as lost:
-            exc.add_note(f"the round's outcome is unknown: {lost}")
-            self.ranks.break_(lost)
+            self.exchange.post("pass", {"error": why})
+        except Exception as lost:  # the store is gone: rank 0's own bounds end its round
+            exc.add_note(f"trainer rank 0 could not be told ({type(lost).__name__}: {lost})")
+        try:
+            verdict = self.exchange.get("verdict", 0, _LATE_S)
+        except GroupTimeout:
+            self._unsettled = True
+            exc.add_note(
+                f"trainer rank {self.rank} told rank 0, which stops the round at its next "
+                "tensor (every other rank raises RoundFailed naming this rank; a round whose "
+                "last tensor was out already may still commit): this rank's next "
+                "send_weights learns the outcome from the round's agreement "
+                "(MultiSource.settled), or read the servers' weight_version "
+                "(client.weight_info())"
+            )
             return
         if verdict["error"]:
             exc.add_note(f"trainer rank 0 reported the round failed too: {verdict['error']}")
+            self._failure(verdict)  # this engine kept or broken as rank 0's
             return
         exc.add_note(
             f"trainer rank 0 sent the round alone and the servers committed it as version "

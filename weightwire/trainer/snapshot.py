@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from weightwire.shared.errors import RoundError
 from weightwire.shared.meta import ParamMeta
@@ -165,11 +165,29 @@ class FrozenSource(WeightSource):
         return iter(self._pairs)
 
 
-class _Cancellable(WeightSource):
-    """``inner`` whose passes stop with ``RoundCancelled`` once ``stop`` is set."""
+class Stop(Protocol):
+    """What stops a ``cancellable`` source: ``is_set`` asked before each tensor it yields
+    (a ``threading.Event``; rank 0's look at the other ranks' own passes,
+    ``multi_source.OwnPasses``)."""
 
-    def __init__(self, inner: WeightSource, stop: threading.Event) -> None:
-        self.inner, self._stop = inner, stop
+    def is_set(self) -> bool: ...
+
+
+def _shutdown_stopped() -> BaseException:
+    return RoundCancelled("shutdown stopped this round mid-transfer, before its last tensor")
+
+
+class _Cancellable(WeightSource):
+    """``inner`` whose passes stop with ``why()`` (default: ``RoundCancelled``) once
+    ``stop`` is set."""
+
+    def __init__(
+        self,
+        inner: WeightSource,
+        stop: Stop,
+        why: Callable[[], BaseException] = _shutdown_stopped,
+    ) -> None:
+        self.inner, self._stop, self._why = inner, stop, why
 
     def metadata(self) -> list[ParamMeta]:
         return self.inner.metadata()
@@ -187,7 +205,7 @@ class _Cancellable(WeightSource):
 
     def _check(self) -> None:
         if self._stop.is_set():
-            raise RoundCancelled("shutdown stopped this round mid-transfer, before its last tensor")
+            raise self._why()
 
 
 class _CancellableGroups(_Cancellable):
@@ -200,17 +218,21 @@ class _CancellableGroups(_Cancellable):
             yield group
 
 
-def cancellable(inner: WeightSource, stop: threading.Event) -> WeightSource:
-    """``inner``, its passes stopped with ``RoundCancelled`` once ``stop`` is set."""
+def cancellable(
+    inner: WeightSource, stop: Stop, why: Callable[[], BaseException] = _shutdown_stopped
+) -> WeightSource:
+    """``inner``, its passes stopped with ``why()`` once ``stop`` is set (default: a
+    shutdown's ``RoundCancelled``)."""
     if type(inner).iter_groups is WeightSource.iter_groups:
-        return _Cancellable(inner, stop)
-    return _CancellableGroups(inner, stop)
+        return _Cancellable(inner, stop, why)
+    return _CancellableGroups(inner, stop, why)
 
 
 def rewrapped(source: WeightSource, change: Callable[[WeightSource], WeightSource]) -> WeightSource:
-    """``change`` applied to the source an overlapped round reads (under its ``cancellable``
-    wrapper, which stays): a framework's own view of its source (a sliced round's
-    ``sliced_source``) must see the snapshot, not the wrapper it does not know."""
+    """``change`` applied to the source a round reads, under its ``cancellable`` wrappers,
+    which stay (an overlapped round's, rank 0's look at the other ranks' passes): a
+    framework's own view of its source (a sliced round's ``sliced_source``) must see the
+    snapshot, not the wrappers it does not know."""
     if isinstance(source, _Cancellable):
-        return cancellable(change(source.inner), source._stop)
+        return cancellable(rewrapped(source.inner, change), source._stop, source._why)
     return change(source)

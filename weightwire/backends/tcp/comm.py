@@ -21,10 +21,13 @@ aborted (every socket shut down) and later calls raise.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import select
 import selectors
 import socket
+import struct
+import termios
 import threading
 import time
 from typing import Any
@@ -237,6 +240,22 @@ class TCPCommunicator(LinkGroup):
             except OSError:
                 return True
         return False
+
+    def bytes_unread(self) -> int:
+        """Bytes a peer sent that wait unread in this end's receive queues (``FIONREAD``;
+        checked without blocking or consuming them). Between a worker's receives it tells a
+        trainer's broadcast that no update reads: a trainer that died mid-send keeps its
+        close queued behind them (a full receive window holds back its FIN, so
+        ``peer_closed`` stays false) until they are read."""
+        if self._state != "open":
+            return 0
+        waiting = 0
+        for link in self._links:
+            try:
+                waiting += _unread(link.sock)
+            except OSError:
+                continue  # a closed socket: peer_closed tells that
+        return waiting
 
     def __enter__(self) -> TCPCommunicator:
         return self
@@ -459,3 +478,9 @@ def root_communicator(
         transfer_timeout=transfer_timeout,
         warmup_timeout=warmup_timeout,
     )
+
+
+def _unread(sock: socket.socket) -> int:
+    """The bytes queued for reading on ``sock`` (Linux ``FIONREAD`` / ``SIOCINQ``)."""
+    raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    return int(struct.unpack("i", raw)[0])

@@ -209,6 +209,10 @@ class TCPLink(ChunkedLink):
         """Every broadcaster closed its connection (TCP tells without traffic)."""
         return all(comm.peer_closed() for comm in self.comms)
 
+    def bytes_unread(self) -> bool:
+        """A broadcaster's bytes wait unread (``TCPCommunicator.bytes_unread``)."""
+        return any(comm.bytes_unread() for comm in self.comms)
+
     def _stop(self) -> None:
         for posted in self._pending.values():
             posted.future.cancel()

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from weightwire.shared.routes import ROUTES
+from weightwire.shared.routes import PAUSE_BOUNDS, ROUTES
 from weightwire.tools.server.after_commit import wait_bound_query
 from weightwire.tools.server.replicas import FanOutError
 from weightwire.tools.server.state import SERVER_VERSION, ServerState
@@ -160,7 +160,9 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get(ROUTES["version"].path)
     async def version() -> dict[str, Any]:
-        return {"version": SERVER_VERSION}
+        # The server-wide features, for a client before any init (whose reply names them
+        # too): a sleep or pause that waits, sent before it, is bounded all the same.
+        return {"version": SERVER_VERSION, "features": [PAUSE_BOUNDS]}
 
     @app.get(ROUTES["health"].path)
     async def health() -> JSONResponse:

@@ -58,34 +58,68 @@ def parse_init_info(state: ServerState, raw: Any) -> Any:
     return info
 
 
+_LOOK_SLACK_S = 0.5
+"""How long after the trainer's transfer bound the workers are asked (``arm_lease``)."""
+
+
 def arm_lease(state: ServerState) -> None:
-    """(Re)start the round lease after start / each update returned."""
+    """(Re)start the round lease after start / each update returned. Where the lease is
+    longer than the trainer's transfer bound (its init info's ``timeout_s``), the workers are
+    asked once at that bound whether the round is stale already (``round_stale``: a
+    trainer's bytes waiting unread with no update past its transfer bound, which a trainer
+    that died mid-send leaves, its close queued behind them): then the round is aborted as
+    the lease would, saying why; else the lease runs on."""
     opts, session, pool = state.options, state.session, state.pool
-    seconds = opts.lease_s
-    if seconds is None:
-        raw = getattr(session.init_info, "timeout_s", None)
-        seconds = float(raw) if isinstance(raw, (int, float)) else Timeouts.from_env().transfer_s
+    raw = getattr(session.init_info, "timeout_s", None)
+    link_s = float(raw) if isinstance(raw, (int, float)) else Timeouts.from_env().transfer_s
+    seconds = opts.lease_s if opts.lease_s is not None else link_s
+    look_s = link_s + _LOOK_SLACK_S  # the workers' own idle clocks started a little earlier
     round_id = session.round_id
 
-    async def expire() -> None:
-        if (
+    def moved_on() -> bool:
+        return (
             session.phase is not Phase.ROUND
             or session.round_id != round_id
             or session.busy is not None
-        ):
-            return  # the round moved on (or an operation now decides its fate)
+        )  # the round moved on (or an operation now decides its fate)
+
+    async def abort(reason: str) -> None:
         async with session.operation("round lease"):
-            reason = (
-                f"round lease expired: the trainer sent no weight call for {seconds:g} s "
-                "during its round; the round was aborted and weight_version "
-                f"{session.weight_version!r} is still served"
-            )
             await pool.abort_all()
             session.failed(
                 reason
             )  # logs the round's end; after the await: state and busy change together
 
-    state.lease.arm(seconds, expire)
+    async def expire() -> None:
+        if moved_on():
+            return
+        await abort(
+            f"round lease expired: the trainer sent no weight call for {seconds:g} s "
+            "during its round; the round was aborted and weight_version "
+            f"{session.weight_version!r} is still served"
+        )
+
+    async def look() -> None:
+        if moved_on():
+            return
+        try:
+            reasons = await pool.fan_out("round_stale", timeout=opts.op_timeout_s)
+        except FanOutError:
+            reasons = [None]  # cannot tell: the lease decides
+        if moved_on():
+            return
+        if not all(reasons):
+            state.lease.arm(seconds - look_s, expire)
+            return
+        await abort(
+            f"round aborted: {reasons[0]} (every replica); weight_version "
+            f"{session.weight_version!r} is still served"
+        )
+
+    if look_s < seconds:
+        state.lease.arm(look_s, look)
+    else:
+        state.lease.arm(seconds, expire)
 
 
 async def drop_stale_round(state: ServerState, *, shutdown: bool = False) -> None:

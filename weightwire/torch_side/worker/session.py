@@ -4,8 +4,9 @@ how a session's receive link is closed.
 Sessions: ``_ReceiverCore.init`` records the trainer's session. A second init while a round of a
 live session is open is refused; between rounds it takes over and closes the old
 session's link, so the displaced trainer sees its link closed before its next round.
-A round whose trainer vanished (its link closed, or no call for ``lease_s``) is
-stale: the next init aborts it (state unchanged) instead of refusing.
+A round whose trainer vanished (its link closed, no call for ``lease_s``, or its bytes waiting
+unread with no update for longer than its transfer bound) is stale: the next init aborts it
+(state unchanged) instead of refusing.
 
 ``_ReceiverCore`` holds the session's state; these are the rules it applies to it.
 """
@@ -52,6 +53,15 @@ def stale_reason(link: ReceiveLink | None, touched: float, lease_s: float) -> st
     idle = time.monotonic() - touched
     if idle > lease_s:
         return f"no call for {idle:.0f} s (lease {lease_s:.0f} s)"
+    if idle > link.timeout_s and link.bytes_unread():
+        # A live trainer's send of those bytes gave up at its transfer bound (no update
+        # reads them); one that died mid-send keeps its close queued behind them (a full
+        # receive window holds back its FIN), so peer_closed stays false until the lease.
+        return (
+            f"its trainer's bytes wait unread on the data link with no update for "
+            f"{idle:.0f} s, past its transfer bound ({link.timeout_s:g} s): its trainer gave "
+            "the round up or died mid-send"
+        )
     return None
 
 
