@@ -8,7 +8,7 @@ usable; a server gated as any vLLM release still takes it; a source failing on i
 tensor sends nothing; one failing mid-round, or a
 trainer killed mid-round, fails the server's round (nothing half-new served, the engine needs
 a new init); a second trainer's init during the request is refused; an overlapped round and
-a delta round keep their rules."""
+a delta round keep their rules; a start whose ``wait`` pause met a sleep undoes that pause."""
 
 from __future__ import annotations
 
@@ -17,13 +17,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.faults.harness import (
+    AUTH,
     FAULT_TIMEOUTS,
     GRACE_S,
     Probe,
@@ -524,4 +527,79 @@ def test_without_the_servers_offer_the_round_keeps_its_two_calls(
         assert wire.rounds[-1] is False
         assert_weights(probe, want, "two")
     finally:
+        quiet_shutdown(engine)
+
+
+@pytest.mark.parametrize("one", [True, False], ids=["one_request", "separate_calls"])
+def test_a_sleep_that_took_the_session_while_the_starts_pause_drained_undoes_that_pause(
+    shared_server: Server, probe: Probe, source: TensorSource, one: bool
+) -> None:
+    """A start with ``pause=wait`` drains a running generation; a ``/sleep?mode=wait`` posted
+    meanwhile holds the session while it drains too. The generation ends (aborted): the
+    start, first to wake, is refused (the sleep's operation runs) and undoes its pause, the
+    sleep sleeps, and after ``/wake_up`` the server serves (was: the refusal, "another weight
+    operation (sleep) is in progress", left the start's pause held, saying nothing of it: the
+    server refused every request after the wake until someone POSTed ``/resume``); the same
+    whether the start rode on the update or went alone, and the engine's next round commits."""
+    client = recording(shared_server.url)
+    if not one:
+        client.updates_with_start = lambda: False  # a server that offers no round in one call
+    _, engine, _ = recorded_engine(
+        shared_server.url, source, client=client, pause_mode="wait", **IN_PLACE
+    )
+    failed: list[BaseException] = []
+    slept: list[httpx.Response] = []
+
+    def generation() -> None:
+        with httpx.Client(base_url=shared_server.url, headers=AUTH, timeout=120) as http:
+            http.post(
+                "/v1/completions",
+                json={"prompt": "a", "max_tokens": 200, "n": 64, "ignore_eos": True},
+            )
+
+    def round_() -> None:
+        try:
+            engine.send_weights("drained")
+        except BaseException as exc:
+            failed.append(exc)
+
+    def sleep() -> None:
+        slept.append(probe.http.post("/sleep", params={"level": 1, "mode": "wait"}))
+
+    def busy() -> int:
+        return int(probe.http.get("/health").json()["replicas"][0]["generations_in_flight"])
+
+    threads = [threading.Thread(target=f) for f in (generation, round_, sleep)]
+    try:
+        want = source.perturb(38)
+        engine.send_weights("before")
+        assert_weights(probe, want, "before")
+        threads[0].start()
+        probe.wait_session(lambda _: busy() == 1, timeout=30)
+        source.perturb(39)
+        threads[1].start()  # its start's pause drains the generation
+        probe.wait_session(lambda _: _paused(probe), timeout=30)
+        threads[2].start()  # the sleep takes the session, and drains too
+        probe.wait_session(lambda s: s["busy"] == "sleep", timeout=30)
+        assert probe.http.post("/abort_requests", json={}).status_code == 200
+        for thread in threads:
+            thread.join(60)
+        (exc,) = failed
+        assert isinstance(exc, WeightSyncError) and exc.route == "start_weight_update", exc
+        assert exc.status == 409 and "start_weight_update refused" in exc.message
+        assert "(sleep)" in exc.message and start_left_paused(exc.pause) is False, exc.message
+        assert slept[0].status_code == 200, slept[0].text
+        assert_weights(probe, want, "before")  # nothing written
+        assert probe.http.post("/wake_up").status_code == 200
+        assert not _paused(probe)  # the start's pause went with its refusal
+        probe.greedy()
+        want = source.perturb(40)
+        engine.send_weights("after-wake")  # the engine kept: nothing was started
+        assert_weights(probe, want, "after-wake")
+        observe(start=exc.message)
+    finally:
+        for thread in threads:
+            if thread.ident is not None:
+                thread.join(60)
+        _awake(probe)
         quiet_shutdown(engine)

@@ -393,10 +393,12 @@ async def _start_in_update(
 async def _pause_first(state: ServerState, mode: str, wait_s: float | None = None) -> None:
     """A start's own pause (``START_PAUSES``), before any of its workers starts. It may wait
     (``wait``: the running requests drain), and a newer init may replace the session
-    meanwhile, or a ``/sleep`` put the weights away: the start is checked again once the
-    pause returned, so a replaced session's start opens no round in the new one (whose
-    trainer's own start would then be refused), and an asleep server's start is refused as
-    at its first check (was: its workers refused it, which failed the session).
+    meanwhile, or a ``/sleep`` put the weights away, or still holds the session: the start is
+    checked again once the pause returned, so a replaced session's start opens no round in
+    the new one (whose trainer's own start would then be refused), an asleep server's start
+    is refused as at its first check (was: its workers refused it, which failed the session),
+    and one met by another operation is refused here, its pause undone (was: refused by its
+    own operation's check, its pause left held).
     A start that fails here started no worker: the pause it took is undone (a pause held
     before it stays), unless another pause or a resume came since (the new session's own
     start, an operator)."""
@@ -413,6 +415,15 @@ async def _pause_first(state: ServerState, mode: str, wait_s: float | None = Non
             )
         session.check_start()
         _check_awake(state)
+        if session.busy is not None:
+            # An operation that began while the pause drained (a /sleep?mode=wait) holds the
+            # session: the start's own operation would be refused next, past this undo.
+            raise SessionError(
+                409,
+                f"start_weight_update refused: another weight operation ({session.busy}) "
+                f"began while its start waited for the pause (mode={mode}); no round was "
+                "opened; retry when it returns",
+            )
     except BaseException as exc:
         if gate.pauses == ours and gate.mode == mode:  # still this start's pause
             if held is None:
