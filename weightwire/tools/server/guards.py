@@ -50,7 +50,7 @@ def refuse_non_finite(pairs: Iterable[tuple[str, Any]]) -> None:
     bad = [
         name
         for name, t in pairs
-        if (t.is_floating_point() or t.is_complex()) and not bool(t.isfinite().all())
+        if (t.is_floating_point() or t.is_complex()) and not bool(_finite(t).all())
     ]
     if bad:
         shown = ", ".join(repr(n) for n in bad[:5]) + (
@@ -60,3 +60,11 @@ def refuse_non_finite(pairs: Iterable[tuple[str, Any]]) -> None:
             f"the round's tensor(s) {shown} hold NaN or infinite values (--check-finite); "
             "nothing was committed and the previous weights are served"
         )
+
+
+def _finite(t: Any) -> Any:
+    """``t.isfinite()``; a float8 tensor (torch has no ``isfinite`` for it: an FP8 checkpoint's
+    weights, a delta round's values of them) read as float32, which keeps its NaN and inf."""
+    if t.is_floating_point() and t.element_size() == 1:
+        return t.float().isfinite()
+    return t.isfinite()
