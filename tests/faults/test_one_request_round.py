@@ -53,6 +53,7 @@ from weightwire.shared.limits import LIMITS
 from weightwire.shared.routes import start_left_paused
 
 IN_PLACE = {"stage_budget_bytes": 0}  # a round applied in place: paused as a whole
+IN_UPDATE_FINISH = "update_weights?finish=true&reset_caches=true&resume=true"
 
 
 def _paused(probe: Probe) -> bool:
@@ -601,5 +602,50 @@ def test_a_sleep_that_took_the_session_while_the_starts_pause_drained_undoes_tha
         for thread in threads:
             if thread.ident is not None:
                 thread.join(60)
+        _awake(probe)
+        quiet_shutdown(engine)
+
+
+@pytest.mark.parametrize("one", [True, False], ids=["one_request", "separate_calls"])
+def test_a_whole_staged_round_after_a_failed_round_in_place_lifts_the_pause_it_left(
+    shared_server: Server, probe: Probe, source: TensorSource, one: bool
+) -> None:
+    """A round applied in place fails mid-round (its source): the server stays paused (its
+    model holds part of it), and a new trainer's whole round that stages (the default
+    budget: it asks no pause and no resume) commits and lifts that pause: generation serves
+    the new weights (was: the pause outlived the whole round, every request refused until an
+    operator's ``/resume``, though the failed round's trainer logged that the next complete
+    round resumes the servers)."""
+    client = recording(shared_server.url)
+    if not one:
+        client.updates_with_start = lambda: False
+    _, engine, _ = recorded_engine(shared_server.url, source, client=client, **IN_PLACE)
+
+    def fail() -> None:
+        raise RuntimeError("the source broke mid-round")
+
+    try:
+        engine.send_weights("before")
+        source.perturb(42)
+        source.hook = hook_at(3, fail)
+        with pytest.raises(RuntimeError, match="broke mid-round"):
+            engine.send_weights("half")
+        assert client.sent[-1] == (_one() if one else IN_UPDATE_FINISH)
+    finally:
+        source.hook = None
+        quiet_shutdown(engine)
+    probe.wait_session(lambda s: s["busy"] is None and s["state"] != "round_active", timeout=15)
+    assert _paused(probe)  # the failed round's trainer left it: its model may hold part of it
+    staged = recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=staged)  # the default budget: staged
+    try:
+        want = source.perturb(43)
+        engine.send_weights("whole")
+        assert "start_weight_update" in staged.sent  # no pause asked, no resume
+        assert staged.sent[-1] == "update_weights?finish=true&reset_caches=true&resume=false"
+        assert_weights(probe, want, "whole")
+        assert not _paused(probe) and not probe.http.get("/weight_info").json()["round_incomplete"]
+        probe.greedy()
+    finally:
         _awake(probe)
         quiet_shutdown(engine)

@@ -324,9 +324,10 @@ async def _open_round(
     refusal paused nothing), then every worker's start (a worker written through sends its go
     on the data plane from inside it), and the round is open."""
     session = state.session
+    ours: int | None = None
     if mode is not None:
         with clock.part("pause"):
-            await _pause_first(state, mode, wait_s)
+            ours = await _pause_first(state, mode, wait_s)
     async with session.operation("start_weight_update"):
         with clock.part("worker"):
             await fan_out_or_fail(
@@ -338,6 +339,8 @@ async def _open_round(
                 abort_on_failure=True,
             )
         session.started()
+        if ours is not None:  # the hold is this round's: a later commit may lift it
+            state.gate.round_pause = (ours, session.round_id)
 
 
 async def _update_payload(
@@ -390,7 +393,7 @@ async def _start_in_update(
     return per
 
 
-async def _pause_first(state: ServerState, mode: str, wait_s: float | None = None) -> None:
+async def _pause_first(state: ServerState, mode: str, wait_s: float | None = None) -> int:
     """A start's own pause (``START_PAUSES``), before any of its workers starts. It may wait
     (``wait``: the running requests drain), and a newer init may replace the session
     meanwhile, or a ``/sleep`` put the weights away, or still holds the session: the start is
@@ -401,7 +404,7 @@ async def _pause_first(state: ServerState, mode: str, wait_s: float | None = Non
     own operation's check, its pause left held).
     A start that fails here started no worker: the pause it took is undone (a pause held
     before it stays), unless another pause or a resume came since (the new session's own
-    start, an operator)."""
+    start, an operator). Returns the gate's ``pauses`` count this pause made."""
     session, gate = state.session, state.gate
     serial, held, ours = session.serial, gate.mode, gate.pauses + 1
     try:
@@ -433,6 +436,7 @@ async def _pause_first(state: ServerState, mode: str, wait_s: float | None = Non
             if isinstance(exc, (ApiError, SessionError)):  # the refusal says what it left
                 _say_pause(exc, START_UNDID_PAUSE, START_PAUSE_UNDONE, held)
         raise
+    return ours
 
 
 def _say_pause(exc: ApiError | SessionError, words: str, word: str, held: str | None) -> None:
