@@ -555,7 +555,8 @@ def test_a_sleep_that_took_the_session_while_the_starts_pause_drained_undoes_tha
         with httpx.Client(base_url=shared_server.url, headers=AUTH, timeout=120) as http:
             http.post(
                 "/v1/completions",
-                json={"prompt": "a", "max_tokens": 200, "n": 64, "ignore_eos": True},
+                # minutes of decoding: it runs until the abort below, on any machine
+                json={"prompt": [[5]] * 64, "n": 64, "max_tokens": 250, "ignore_eos": True},
             )
 
     def round_() -> None:
@@ -599,6 +600,7 @@ def test_a_sleep_that_took_the_session_while_the_starts_pause_drained_undoes_tha
         assert_weights(probe, want, "after-wake")
         observe(start=exc.message)
     finally:
+        probe.http.post("/abort_requests", json={})  # a case that failed early: stop it
         for thread in threads:
             if thread.ident is not None:
                 thread.join(60)
