@@ -192,6 +192,8 @@ def test_check_finite_refuses_a_round_with_nan(
     if in_place:
         assert any(sent.startswith("update_weights?start=true") for sent in client.sent)
         assert "generation is refused until a whole round commits" in str(info.value)
+        assert "replica(s) [0] hold part of this round" in str(info.value)
+        assert "still served" not in str(info.value)  # (was: said of the half-written model)
         assert probe.http.get("/weight_info").json()["round_incomplete"] is True
         refused = probe.http.post("/v1/completions", json=ONE_TOKEN)
         assert refused.status_code == 503, refused.text

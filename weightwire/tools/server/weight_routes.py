@@ -56,6 +56,7 @@ from weightwire.tools.server.web import (
     read_object,
 )
 from weightwire.tools.server.weight_rules import (
+    WEIGHTS_STATE_S,
     NothingToReuse,
     arm_lease,
     check_reuse,
@@ -75,7 +76,6 @@ INLINE_UPDATE_BYTES = 64 << 10
 """Update bodies up to this size are validated on the event loop (well under a millisecond
 even for a few hundred tensors' metadata); bigger ones on a worker thread."""
 _VERDICT_GRACE_S = 10.0
-_WEIGHTS_STATE_S = 5.0  # a replica answers /weight_info's question from its reader thread, at once
 """How much longer than its own ``timeout_s`` the API waits for a worker's finish verdict:
 the worker decides (commit or not) within ``timeout_s``; this only covers a wedged one."""
 
@@ -550,7 +550,7 @@ async def _weights_state(state: ServerState) -> list[dict[str, Any]]:
 
     async def one(replica: Any) -> dict[str, Any]:
         try:
-            return dict(await replica.call("weights", timeout=_WEIGHTS_STATE_S))
+            return dict(await replica.call("weights", timeout=WEIGHTS_STATE_S))
         except ReplicaError as exc:
             return {"round_incomplete": None, "reason": str(exc)}
 
