@@ -8,7 +8,7 @@ usable; a server gated as any vLLM release still takes it; a source failing on i
 tensor sends nothing; one failing mid-round, or a
 trainer killed mid-round, fails the server's round (nothing half-new served, the engine needs
 a new init); a second trainer's init during the request is refused; an overlapped round and
-a delta round keep their rules."""
+a delta round keep their rules; a start whose ``wait`` pause met a sleep undoes that pause."""
 
 from __future__ import annotations
 
@@ -17,13 +17,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.faults.harness import (
+    AUTH,
     FAULT_TIMEOUTS,
     GRACE_S,
     Probe,
@@ -50,6 +53,7 @@ from weightwire.shared.limits import LIMITS
 from weightwire.shared.routes import start_left_paused
 
 IN_PLACE = {"stage_budget_bytes": 0}  # a round applied in place: paused as a whole
+IN_UPDATE_FINISH = "update_weights?finish=true&reset_caches=true&resume=true"
 
 
 def _paused(probe: Probe) -> bool:
@@ -524,4 +528,126 @@ def test_without_the_servers_offer_the_round_keeps_its_two_calls(
         assert wire.rounds[-1] is False
         assert_weights(probe, want, "two")
     finally:
+        quiet_shutdown(engine)
+
+
+@pytest.mark.parametrize("one", [True, False], ids=["one_request", "separate_calls"])
+def test_a_sleep_that_took_the_session_while_the_starts_pause_drained_undoes_that_pause(
+    shared_server: Server, probe: Probe, source: TensorSource, one: bool
+) -> None:
+    """A start with ``pause=wait`` drains a running generation; a ``/sleep?mode=wait`` posted
+    meanwhile holds the session while it drains too. The generation ends (aborted): the
+    start, first to wake, is refused (the sleep's operation runs) and undoes its pause, the
+    sleep sleeps, and after ``/wake_up`` the server serves (was: the refusal, "another weight
+    operation (sleep) is in progress", left the start's pause held, saying nothing of it: the
+    server refused every request after the wake until someone POSTed ``/resume``); the same
+    whether the start rode on the update or went alone, and the engine's next round commits."""
+    client = recording(shared_server.url)
+    if not one:
+        client.updates_with_start = lambda: False  # a server that offers no round in one call
+    _, engine, _ = recorded_engine(
+        shared_server.url, source, client=client, pause_mode="wait", **IN_PLACE
+    )
+    failed: list[BaseException] = []
+    slept: list[httpx.Response] = []
+
+    def generation() -> None:
+        with httpx.Client(base_url=shared_server.url, headers=AUTH, timeout=120) as http:
+            http.post(
+                "/v1/completions",
+                # minutes of decoding: it runs until the abort below, on any machine
+                json={"prompt": [[5]] * 64, "n": 64, "max_tokens": 250, "ignore_eos": True},
+            )
+
+    def round_() -> None:
+        try:
+            engine.send_weights("drained")
+        except BaseException as exc:
+            failed.append(exc)
+
+    def sleep() -> None:
+        slept.append(probe.http.post("/sleep", params={"level": 1, "mode": "wait"}))
+
+    def busy() -> int:
+        return int(probe.http.get("/health").json()["replicas"][0]["generations_in_flight"])
+
+    threads = [threading.Thread(target=f) for f in (generation, round_, sleep)]
+    try:
+        want = source.perturb(38)
+        engine.send_weights("before")
+        assert_weights(probe, want, "before")
+        threads[0].start()
+        probe.wait_session(lambda _: busy() == 1, timeout=30)
+        source.perturb(39)
+        threads[1].start()  # its start's pause drains the generation
+        probe.wait_session(lambda _: _paused(probe), timeout=30)
+        threads[2].start()  # the sleep takes the session, and drains too
+        probe.wait_session(lambda s: s["busy"] == "sleep", timeout=30)
+        assert probe.http.post("/abort_requests", json={}).status_code == 200
+        for thread in threads:
+            thread.join(60)
+        (exc,) = failed
+        assert isinstance(exc, WeightSyncError) and exc.route == "start_weight_update", exc
+        assert exc.status == 409 and "start_weight_update refused" in exc.message
+        assert "(sleep)" in exc.message and start_left_paused(exc.pause) is False, exc.message
+        assert slept[0].status_code == 200, slept[0].text
+        assert_weights(probe, want, "before")  # nothing written
+        assert probe.http.post("/wake_up").status_code == 200
+        assert not _paused(probe)  # the start's pause went with its refusal
+        probe.greedy()
+        want = source.perturb(40)
+        engine.send_weights("after-wake")  # the engine kept: nothing was started
+        assert_weights(probe, want, "after-wake")
+        observe(start=exc.message)
+    finally:
+        probe.http.post("/abort_requests", json={})  # a case that failed early: stop it
+        for thread in threads:
+            if thread.ident is not None:
+                thread.join(60)
+        _awake(probe)
+        quiet_shutdown(engine)
+
+
+@pytest.mark.parametrize("one", [True, False], ids=["one_request", "separate_calls"])
+def test_a_whole_staged_round_after_a_failed_round_in_place_lifts_the_pause_it_left(
+    shared_server: Server, probe: Probe, source: TensorSource, one: bool
+) -> None:
+    """A round applied in place fails mid-round (its source): the server stays paused (its
+    model holds part of it), and a new trainer's whole round that stages (the default
+    budget: it asks no pause and no resume) commits and lifts that pause: generation serves
+    the new weights (was: the pause outlived the whole round, every request refused until an
+    operator's ``/resume``, though the failed round's trainer logged that the next complete
+    round resumes the servers)."""
+    client = recording(shared_server.url)
+    if not one:
+        client.updates_with_start = lambda: False
+    _, engine, _ = recorded_engine(shared_server.url, source, client=client, **IN_PLACE)
+
+    def fail() -> None:
+        raise RuntimeError("the source broke mid-round")
+
+    try:
+        engine.send_weights("before")
+        source.perturb(42)
+        source.hook = hook_at(3, fail)
+        with pytest.raises(RuntimeError, match="broke mid-round"):
+            engine.send_weights("half")
+        assert client.sent[-1] == (_one() if one else IN_UPDATE_FINISH)
+    finally:
+        source.hook = None
+        quiet_shutdown(engine)
+    probe.wait_session(lambda s: s["busy"] is None and s["state"] != "round_active", timeout=15)
+    assert _paused(probe)  # the failed round's trainer left it: its model may hold part of it
+    staged = recording(shared_server.url)
+    engine = engine_for(shared_server.url, source, client=staged)  # the default budget: staged
+    try:
+        want = source.perturb(43)
+        engine.send_weights("whole")
+        assert "start_weight_update" in staged.sent  # no pause asked, no resume
+        assert staged.sent[-1] == "update_weights?finish=true&reset_caches=true&resume=false"
+        assert_weights(probe, want, "whole")
+        assert not _paused(probe) and not probe.http.get("/weight_info").json()["round_incomplete"]
+        probe.greedy()
+    finally:
+        _awake(probe)
         quiet_shutdown(engine)

@@ -29,6 +29,7 @@ from tests.faults.harness import (
     observe,
     quiet_shutdown,
 )
+from tests.faults.one_request import recorded_engine
 from tests.faults.servers import Server, serving
 from weightwire.shared.errors import WeightSyncError
 
@@ -164,15 +165,25 @@ def test_a_generation_whose_client_disconnected_stops(shared_server: Server) -> 
     observe(follow_up=after.status_code, follow_up_s=t[0])
 
 
-def test_check_finite_refuses_a_round_with_nan(capped: Server, source: TensorSource) -> None:
-    """With `--check-finite`, a round whose tensors hold NaN / inf arrives."""
+@pytest.mark.parametrize("in_place", [False, True], ids=["staged", "in_place_one_request"])
+def test_check_finite_refuses_a_round_with_nan(
+    capped: Server, source: TensorSource, in_place: bool
+) -> None:
+    """With `--check-finite`, a round whose tensors hold NaN / inf arrives: staged, or applied
+    in place in one request (its finish in its update; was: a round applied in place was not
+    checked, its tensors being in the parameters rather than staged, so it committed and
+    every completion then failed on non-finite logits). In place the model holds part of the
+    refused round: generation is refused until a whole round commits, which the next does."""
     probe = Probe(capped.url)
     want = fresh_round(capped.url, source, probe, 403, "finite-1")
-    poisoned = TensorSource(source.tensors)
+    poisoned = TensorSource(dict(source.tensors))
     bad = poisoned.tensors["model.layers.1.mlp.up_proj.weight"].clone()
     bad[0, 0] = float("inf")
     poisoned.tensors["model.layers.1.mlp.up_proj.weight"] = bad
-    engine = engine_for(capped.url, poisoned)
+    if in_place:
+        client, engine, _ = recorded_engine(capped.url, poisoned, stage_budget_bytes=0)
+    else:
+        engine = engine_for(capped.url, poisoned)
     try:
         with elapsed() as t, pytest.raises(WeightSyncError) as info:
             engine.send_weights("nan-round")
@@ -183,8 +194,27 @@ def test_check_finite_refuses_a_round_with_nan(capped: Server, source: TensorSou
         info.value
     )
     assert "nothing was committed" in str(info.value)
-    assert_weights(probe, want, "finite-1")
-    fresh_round(capped.url, source, probe, 404, "finite-2")
+    assert probe.version() == "finite-1"
+    if in_place:
+        assert any(sent.startswith("update_weights?start=true") for sent in client.sent)
+        assert "generation is refused until a whole round commits" in str(info.value)
+        assert "replica(s) [0] hold part of this round" in str(info.value)
+        assert "still served" not in str(info.value)  # (was: said of the half-written model)
+        assert probe.http.get("/weight_info").json()["round_incomplete"] is True
+        refused = probe.http.post("/v1/completions", json=ONE_TOKEN)
+        assert refused.status_code == 503, refused.text
+    else:
+        assert_weights(probe, want, "finite-1")
+    # the way out: a whole round (in place after one in place: it resumes the pause it held)
+    fresh_round(
+        capped.url,
+        source,
+        probe,
+        404,
+        "finite-2",
+        **({"stage_budget_bytes": 0} if in_place else {}),
+    )
+    probe.greedy()
     probe.close()
     observe(trainer=info.value, trainer_s=t[0])
 

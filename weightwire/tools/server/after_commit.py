@@ -21,6 +21,10 @@ own rule for a failed round applies, as with separate calls.
   ``/wake_up`` (the reply's ``held_by_sleep`` says so); the ``/resume`` route itself
   refuses then, telling an operator that it would not wake the server.
 
+Without ``resume`` (a round that stages asks for none), a commit still lifts a pause an
+earlier round's start took and left held when that round failed (``lift_left_pause``): the
+whole round that follows is what its trainer's rule waits for.
+
 The reply adds ``caches_reset`` and ``resumed`` (booleans); an older server's refused
 resume came back as ``resume_error``, which the client raises after the commit.
 
@@ -42,6 +46,7 @@ would only move the trainer's third call.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +56,8 @@ from fastapi import Request
 from weightwire.shared.routes import PAUSE_MODES, WAIT_BOUND
 from weightwire.tools.server.state import ServerState
 from weightwire.tools.server.web import ApiError, query_once
+
+log = logging.getLogger(__name__)
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -78,11 +85,14 @@ def after_commit_query(request: Request) -> AfterCommit:
 
 
 def after_commit(state: ServerState, then: AfterCommit) -> dict[str, Any]:
-    """Do what ``then`` asks once the round committed; the reply's added fields."""
+    """Do what ``then`` asks once the round committed; the reply's added fields. A pause an
+    earlier round's start took and left held is lifted too (``lift_left_pause``)."""
     out: dict[str, Any] = {}
     if then.reset_caches:
         out["caches_reset"] = True  # nothing outlives a request here (module docstring)
-    if then.resume:
+    if not then.resume:
+        lift_left_pause(state)
+    else:
         # The round's own pause is lifted once it committed, asleep or not: the sleep holds
         # generation with a hold of its own (``PauseGate``), which /wake_up lifts. (Was:
         # refused while asleep, so the committed round raised and its pause outlived the
@@ -95,6 +105,29 @@ def after_commit(state: ServerState, then: AfterCommit) -> dict[str, Any]:
                 "held until POST /wake_up"
             )
     return out
+
+
+def lift_left_pause(state: ServerState) -> None:
+    """After a commit: where the pause held is the one an earlier round's start took (no
+    pause or resume since: ``PauseGate.round_pause``), that round failed with it held (its
+    trainer's rule for a round that may have written in place) and this one committed, so
+    the hold goes. A round that stages asks no pause and no resume, and would otherwise
+    leave the server refusing every request after a whole round (was: until an operator's
+    ``/resume``). A replica whose model still holds part of a round refuses generation
+    with its own reason all the same."""
+    gate, session = state.gate, state.session
+    held = gate.round_pause
+    if gate.mode is None or held is None or held[0] != gate.pauses or held[1] == session.round_id:
+        return
+    mode = gate.mode
+    gate.resume()
+    log.info(
+        "round %d committed: lifted the pause (mode=%s) that round %d's start took and left "
+        "held when it failed",
+        session.round_id,
+        mode,
+        held[1],
+    )
 
 
 def pause_query(request: Request) -> str | None:

@@ -44,19 +44,35 @@ class LiveCalls:
             self._cancelled.discard(call_id)
 
 
-def refuse_non_finite(pairs: Iterable[tuple[str, Any]]) -> None:
-    """Raise ``NonFiniteRound`` naming (up to five of) the round's not yet applied tensors
-    (``(name, torch.Tensor)``) that hold NaN or infinity."""
+def refuse_non_finite(pairs: Iterable[tuple[str, Any]], *, in_place: bool = False) -> None:
+    """Raise ``NonFiniteRound`` naming (up to five of) the round's not yet committed tensors
+    (``(name, torch.Tensor)``) that hold NaN or infinity. ``in_place``: the round was
+    applied in place, so the parameters hold part of it already (its failure leaves the
+    model incomplete, refused until a whole round commits)."""
     bad = [
         name
         for name, t in pairs
-        if (t.is_floating_point() or t.is_complex()) and not bool(t.isfinite().all())
+        if (t.is_floating_point() or t.is_complex()) and not bool(_finite(t).all())
     ]
     if bad:
         shown = ", ".join(repr(n) for n in bad[:5]) + (
             f" and {len(bad) - 5} more" if len(bad) > 5 else ""
         )
+        served = (
+            "it was applied in place, so the model holds part of it: generation is refused "
+            "until a whole round commits"
+            if in_place
+            else "the previous weights are served"
+        )
         raise NonFiniteRound(
             f"the round's tensor(s) {shown} hold NaN or infinite values (--check-finite); "
-            "nothing was committed and the previous weights are served"
+            f"nothing was committed and {served}"
         )
+
+
+def _finite(t: Any) -> Any:
+    """``t.isfinite()``; a float8 tensor (torch has no ``isfinite`` for it: an FP8 checkpoint's
+    weights, a delta round's values of them) read as float32, which keeps its NaN and inf."""
+    if t.is_floating_point() and t.element_size() == 1:
+        return t.float().isfinite()
+    return t.isfinite()

@@ -27,6 +27,10 @@ class PauseGate:
         self.inflight = 0
         self.pauses = 0
         """How many times ``pause`` was called: whether anyone paused since a given moment."""
+        self.round_pause: tuple[int, int] | None = None
+        """``(pauses, round id)``: the pause a round's start took (``START_PAUSES``), the
+        ``pauses`` count it made: while that count is still the latest and the mode held,
+        the hold is that round's (``after_commit.lift_left_pause``)."""
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._idle = asyncio.Event()

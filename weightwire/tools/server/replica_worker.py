@@ -171,7 +171,8 @@ class Worker:
         epoch = self.abort_epoch if epoch is None else epoch
         if self.spec.check_finite:
             refuse_non_finite(
-                [*engine.held_tensors(), *self.host.staged_tensors()]
+                [*engine.held_tensors(), *self.host.round_tensors()],
+                in_place=self.host.in_place_round,
             )  # outside the model lock: generations go on meanwhile
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self.model_lock.acquire(timeout=_LOCK_POLL_S):

@@ -56,6 +56,7 @@ from weightwire.tools.server.web import (
     read_object,
 )
 from weightwire.tools.server.weight_rules import (
+    WEIGHTS_STATE_S,
     NothingToReuse,
     arm_lease,
     check_reuse,
@@ -75,7 +76,6 @@ INLINE_UPDATE_BYTES = 64 << 10
 """Update bodies up to this size are validated on the event loop (well under a millisecond
 even for a few hundred tensors' metadata); bigger ones on a worker thread."""
 _VERDICT_GRACE_S = 10.0
-_WEIGHTS_STATE_S = 5.0  # a replica answers /weight_info's question from its reader thread, at once
 """How much longer than its own ``timeout_s`` the API waits for a worker's finish verdict:
 the worker decides (commit or not) within ``timeout_s``; this only covers a wedged one."""
 
@@ -324,9 +324,10 @@ async def _open_round(
     refusal paused nothing), then every worker's start (a worker written through sends its go
     on the data plane from inside it), and the round is open."""
     session = state.session
+    ours: int | None = None
     if mode is not None:
         with clock.part("pause"):
-            await _pause_first(state, mode, wait_s)
+            ours = await _pause_first(state, mode, wait_s)
     async with session.operation("start_weight_update"):
         with clock.part("worker"):
             await fan_out_or_fail(
@@ -338,6 +339,8 @@ async def _open_round(
                 abort_on_failure=True,
             )
         session.started()
+        if ours is not None:  # the hold is this round's: a later commit may lift it
+            state.gate.round_pause = (ours, session.round_id)
 
 
 async def _update_payload(
@@ -390,16 +393,18 @@ async def _start_in_update(
     return per
 
 
-async def _pause_first(state: ServerState, mode: str, wait_s: float | None = None) -> None:
+async def _pause_first(state: ServerState, mode: str, wait_s: float | None = None) -> int:
     """A start's own pause (``START_PAUSES``), before any of its workers starts. It may wait
     (``wait``: the running requests drain), and a newer init may replace the session
-    meanwhile, or a ``/sleep`` put the weights away: the start is checked again once the
-    pause returned, so a replaced session's start opens no round in the new one (whose
-    trainer's own start would then be refused), and an asleep server's start is refused as
-    at its first check (was: its workers refused it, which failed the session).
+    meanwhile, or a ``/sleep`` put the weights away, or still holds the session: the start is
+    checked again once the pause returned, so a replaced session's start opens no round in
+    the new one (whose trainer's own start would then be refused), an asleep server's start
+    is refused as at its first check (was: its workers refused it, which failed the session),
+    and one met by another operation is refused here, its pause undone (was: refused by its
+    own operation's check, its pause left held).
     A start that fails here started no worker: the pause it took is undone (a pause held
     before it stays), unless another pause or a resume came since (the new session's own
-    start, an operator)."""
+    start, an operator). Returns the gate's ``pauses`` count this pause made."""
     session, gate = state.session, state.gate
     serial, held, ours = session.serial, gate.mode, gate.pauses + 1
     try:
@@ -413,6 +418,15 @@ async def _pause_first(state: ServerState, mode: str, wait_s: float | None = Non
             )
         session.check_start()
         _check_awake(state)
+        if session.busy is not None:
+            # An operation that began while the pause drained (a /sleep?mode=wait) holds the
+            # session: the start's own operation would be refused next, past this undo.
+            raise SessionError(
+                409,
+                f"start_weight_update refused: another weight operation ({session.busy}) "
+                f"began while its start waited for the pause (mode={mode}); no round was "
+                "opened; retry when it returns",
+            )
     except BaseException as exc:
         if gate.pauses == ours and gate.mode == mode:  # still this start's pause
             if held is None:
@@ -422,6 +436,7 @@ async def _pause_first(state: ServerState, mode: str, wait_s: float | None = Non
             if isinstance(exc, (ApiError, SessionError)):  # the refusal says what it left
                 _say_pause(exc, START_UNDID_PAUSE, START_PAUSE_UNDONE, held)
         raise
+    return ours
 
 
 def _say_pause(exc: ApiError | SessionError, words: str, word: str, held: str | None) -> None:
@@ -535,7 +550,7 @@ async def _weights_state(state: ServerState) -> list[dict[str, Any]]:
 
     async def one(replica: Any) -> dict[str, Any]:
         try:
-            return dict(await replica.call("weights", timeout=_WEIGHTS_STATE_S))
+            return dict(await replica.call("weights", timeout=WEIGHTS_STATE_S))
         except ReplicaError as exc:
             return {"round_incomplete": None, "reason": str(exc)}
 

@@ -8,6 +8,7 @@ has its round aborted instead of blocking the next init forever.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import Request
@@ -18,6 +19,7 @@ from weightwire.shared.limits import LIMITS
 from weightwire.shared.routes import REFUSAL_FIELD, ROUTES, SESSION_HEADER
 from weightwire.shared.timeouts import Timeouts
 from weightwire.shared.update_info import UpdateInfo
+from weightwire.tools.server.replica import ReplicaError
 from weightwire.tools.server.replicas import FanOutError, ReplicaPool
 from weightwire.tools.server.session import Phase, SessionError
 from weightwire.tools.server.state import ServerState
@@ -180,11 +182,38 @@ async def fan_out_or_fail(
             op, args, timeout=timeout, abort_on_failure=abort_on_failure
         )
     except FanOutError as exc:
-        raise _fail(state, what, exc) from None
+        partial = await _holding_part(state) if op in _WRITES else []
+        raise _fail(state, what, exc, partial) from None
 
 
-def _fail(state: ServerState, what: str, exc: FanOutError) -> ApiError:
-    """Clear the session after a failed weight operation and describe what survived."""
+_WRITES = ("update", "finish")
+"""The operations whose failure may leave a round applied in place half written."""
+
+WEIGHTS_STATE_S = 5.0
+"""A replica answers whether its model holds part of a round from its reader thread, at once."""
+
+
+async def _holding_part(state: ServerState) -> list[int]:
+    """The replicas whose model now holds part of a round (one applied in place that
+    failed): they refuse generation until a whole round commits. A replica that cannot
+    answer (dead) is not listed: the failure names it already."""
+
+    async def one(replica: Any) -> bool:
+        try:
+            reply = await replica.call("weights", timeout=WEIGHTS_STATE_S)
+        except ReplicaError:
+            return False
+        return isinstance(reply, dict) and reply.get("round_incomplete") is True
+
+    held = await asyncio.gather(*(one(r) for r in state.pool.replicas))
+    return [r.index for r, h in zip(state.pool.replicas, held, strict=True) if h]
+
+
+def _fail(
+    state: ServerState, what: str, exc: FanOutError, partial: list[int] | None = None
+) -> ApiError:
+    """Clear the session after a failed weight operation and describe what survived
+    (``partial``: the replicas whose model holds part of the round, ``_holding_part``)."""
     state.session.failed(f"{what}: {exc}")
     failed = {e.replica for e in exc.errors} | set(exc.aborted)
     ok = [r.index for r in state.pool.replicas if r.index not in failed]
@@ -193,6 +222,16 @@ def _fail(state: ServerState, what: str, exc: FanOutError) -> ApiError:
         "served; start a new session (a weightwire trainer: engine.shutdown(), then "
         "trainer_init() again)"
     )
+    if partial:
+        # Was: "the previous weights ... are still served" over a model the round had
+        # partly written in place, which refuses generation.
+        tail = (
+            f"; weight_version {state.session.weight_version!r} is kept, but replica(s) "
+            f"{partial} hold part of this round (it was applied in place): they refuse "
+            "generation until a whole round commits (/weight_info says); start a new session "
+            "(a weightwire trainer: engine.shutdown(), then trainer_init() again) and send a "
+            "whole round"
+        )
     if what == "start_weight_update":
         # A worker written through sends its go from inside its start: on one server the
         # trainer may have written at it, so that replica refuses generation until a whole

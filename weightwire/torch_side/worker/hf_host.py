@@ -282,6 +282,15 @@ class HFModelHost:
         with self._lock:
             return list((self._stage or {}).items())
 
+    def round_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The open round's dense tensors, not yet committed: staged, or (a round applied in
+        place) the parameters it wrote, read where they are (a check before the commit,
+        ``--check-finite``, sees what the round would serve)."""
+        with self._lock:
+            if self._in_place:
+                return [(key, self._params[key].data) for key in sorted(self._written)]
+            return list((self._stage or {}).items())
+
     def abort_round(self) -> None:
         """Drop the staged tensors; the parameters are untouched (an in-place round's
         writes stay: the engine records the model as incomplete). Safe without a round."""
