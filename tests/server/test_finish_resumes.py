@@ -568,8 +568,10 @@ def test_a_step_failing_inside_the_one_request_is_named_and_commits_nothing(
         assert caught.value.route == route  # the step that failed, inside the one request
         assert caught.value.status is not None and caught.value.status >= 500
         steps = ["start", "update", "finish"]
-        ops = receiver.ops
-        assert ops[ops.index("start") :] == steps[: steps.index(fails) + 1]  # none after it
+        # none after it; where an update or finish failed, the server asks the replica
+        # whether its model holds part of the round (``weights``: it writes nothing)
+        ops = [op for op in receiver.ops if op != "weights"]
+        assert ops[ops.index("start") :] == steps[: steps.index(fails) + 1]
         assert state.session.weight_version != "v1" and state.gate.paused  # held, not resumed
         assert state.session.session_id is None  # the session failed: a new init is needed
 

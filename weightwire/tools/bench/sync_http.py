@@ -28,9 +28,21 @@ from weightwire.backends.nccl.spec import WEIGHTWIRE_NCCL
 
 @dataclass
 class _Replica:
+    """The one replica, as the routes that ask a replica alone see it (``Replica.call``)."""
+
+    receiver: Any
     index: int = 0
     info: dict[str, Any] = field(default_factory=lambda: {"device": "cuda:0"})
     alive: bool = True
+
+    async def call(self, op: str, args: dict[str, Any] | None = None, *, timeout: float) -> Any:
+        from weightwire.tools.server.replica import ReplicaError
+
+        try:
+            async with asyncio.timeout(timeout):
+                return await self.receiver.call(op, args or {})
+        except Exception as exc:  # what a worker's failed call is to the routes
+            raise ReplicaError(self.index, "error", f"{type(exc).__name__}: {exc}") from None
 
 
 class ShimReceiver:
@@ -74,7 +86,7 @@ class InProcessPool:
 
     def __init__(self, receiver: Any) -> None:
         self._receiver = receiver
-        self.replicas = [_Replica()]
+        self.replicas = [_Replica(receiver)]
 
     def __len__(self) -> int:
         return 1
