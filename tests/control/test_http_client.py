@@ -377,3 +377,26 @@ def test_a_wait_before_any_init_is_bounded_where_every_servers_version_names_it(
     client.sleep(1, "wait")  # an unanswered /version is not kept: asked again next time
     client.sleep(1, "wait")
     assert len(servers.calls("/version")) == 2
+
+
+def test_a_callers_shorter_bound_sets_the_wait_pauses_bound() -> None:
+    """``bound_waits``: an engine that waits less for a call than the client's request timeout
+    (its ``http_s``) gets a ``wait_s`` taken from its bound, less the margin; the shortest of
+    several callers' bounds holds; a bound that is no positive finite number is refused."""
+    from weightwire.shared.routes import PAUSE_BOUNDS
+
+    servers = Servers({"a": 1})
+    servers.responses["a", "/version"] = httpx.Response(
+        200, json={"version": "0.33.0+weightwire.0.1.0", "features": [PAUSE_BOUNDS]}
+    )
+    client = servers.client()  # timeout=5: wait_s 4.5 (a 0.5 s margin)
+    client.pause("wait")
+    client.bound_waits(3)
+    client.pause("wait")
+    client.bound_waits(20)  # longer than the first: the first holds
+    client.pause("wait")
+    sent = [q.get("wait_s") for h, _, p, _, q in servers.seen if p == "/pause"]
+    assert sent == ["4.500", "2.500", "2.500"], sent
+    for bad in (0, -1, float("inf"), float("nan"), "3"):
+        with pytest.raises(ConfigError, match="bound_waits takes a positive finite number"):
+            client.bound_waits(bad)  # type: ignore[arg-type]

@@ -651,3 +651,61 @@ def test_a_whole_staged_round_after_a_failed_round_in_place_lifts_the_pause_it_l
     finally:
         _awake(probe)
         quiet_shutdown(engine)
+
+
+@pytest.mark.parametrize("one", [True, False], ids=["one_request", "separate_calls"])
+def test_a_wait_pause_the_engine_waits_less_for_than_its_client_undoes_itself_in_time(
+    shared_server: Server, probe: Probe, source: TensorSource, one: bool
+) -> None:
+    """``Timeouts.http_s`` (4 s) below the client's request timeout (12 s), ``pause_mode=
+    "wait"``, a generation that outlasts both: the start's drain is bounded by the engine's
+    wait, not the client's, so the server answers 504 with its pause undone before the
+    engine gives up: the round fails with that answer and the engine is kept, in one request
+    and in separate calls alike (was: the drain ran to the client's 10.8 s; in one request the
+    engine gave up at ``http_s`` with a bare timeout and broke, in separate calls it waited
+    past its own bound), and the round after the generation commits."""
+    client = recording(shared_server.url)
+    if not one:
+        client.updates_with_start = lambda: False  # a server that offers no round in one call
+    timeouts = replace(FAULT_TIMEOUTS, http_s=4.0)
+    _, engine, _ = recorded_engine(
+        shared_server.url, source, client=client, pause_mode="wait", timeouts=timeouts, **IN_PLACE
+    )
+
+    def generation() -> None:
+        with httpx.Client(base_url=shared_server.url, headers=AUTH, timeout=120) as http:
+            http.post(
+                "/v1/completions",
+                # minutes of decoding: it runs until the abort below, on any machine
+                json={"prompt": [[5]] * 64, "n": 64, "max_tokens": 250, "ignore_eos": True},
+            )
+
+    running = threading.Thread(target=generation)
+    try:
+        want = source.perturb(41)
+        engine.send_weights("before")
+        running.start()
+        probe.wait_session(
+            lambda _: probe.http.get("/health").json()["replicas"][0]["generations_in_flight"] == 1,
+            timeout=30,
+        )
+        source.perturb(42)
+        with elapsed() as took, pytest.raises(WeightSyncError) as caught:
+            engine.send_weights("drained")
+        exc = caught.value
+        assert exc.status == 504 and exc.route == "start_weight_update", exc
+        assert "the pause this start took was undone" in exc.message, exc.message
+        assert took[0] < timeouts.http_s + GRACE_S
+        assert not _paused(probe) and probe.session()["state"] == "ready"
+        assert probe.http.post("/abort_requests", json={}).status_code == 200
+        running.join(60)
+        assert_weights(probe, want, "before")  # nothing written (read once the model is free)
+        want = source.perturb(43)
+        engine.send_weights("after")  # the engine kept: nothing was started
+        assert_weights(probe, want, "after")
+        observe(start=exc.message, took_s=round(took[0], 2))
+    finally:
+        probe.http.post("/abort_requests", json={})
+        running.join(60)
+        _awake(probe)
+        quiet_shutdown(engine)

@@ -22,6 +22,7 @@ in reprs, logs or errors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,6 +86,8 @@ class HTTPWeightSyncClient(ServingRoutes):
         by a pause or sleep that waits); None: not asked."""
         self._served: list[Any] = [None] * len(self._clients)
         """Per server: the ``served_model`` its last init reply carried (raw JSON), if any."""
+        self._wait_cap_s = math.inf
+        """The longest a caller waits for one of this client's calls (``bound_waits``)."""
 
     def __repr__(self) -> str:
         return f"HTTPWeightSyncClient({self.base_urls!r}, timeout={self.timeout})"
@@ -212,20 +215,31 @@ class HTTPWeightSyncClient(ServingRoutes):
         told = self._features if self._inited else self._version_features
         return told is not None and all(routes.PAUSE_BOUNDS in f for f in told)
 
+    def bound_waits(self, seconds: float) -> None:
+        """The caller waits at most ``seconds`` for any one call (an engine: its
+        ``Timeouts.http_s``), which may be less than this client's request timeout: a wait
+        pause's ``wait_s`` is then taken from it, so the server's drain gives up, and undoes
+        its pause, before that caller does. Several callers: the shortest bound holds."""
+        if not (isinstance(seconds, int | float) and 0 < seconds < math.inf):
+            raise ConfigError(f"bound_waits takes a positive finite number of seconds: {seconds!r}")
+        self._wait_cap_s = min(self._wait_cap_s, float(seconds))
+
     def _wait_bound(self, mode: str) -> dict[str, str]:
         """A ``wait`` pause's ``wait_s`` where every server takes it (``PAUSE_BOUNDS``): this
-        client's request timeout less a margin, so the server's drain gives up (504, its pause
-        undone) while this client still waits for the answer: a pause it gave up on never
-        takes effect later. Before any init (a sleep between jobs, a pause before the trainer
-        connects) the servers' features are their ``/version`` replies' (asked once)."""
+        client's request timeout (or its caller's shorter bound, ``bound_waits``) less a
+        margin, so the server's drain gives up (504, its pause undone) while the caller still
+        waits for the answer: a pause it gave up on never takes effect later. Before any init
+        (a sleep between jobs, a pause before the trainer connects) the servers' features are
+        their ``/version`` replies' (asked once)."""
         if mode != "wait":
             return {}
         if not self._inited and self._version_features is None:
             self._ask_version_features()
         if not self.bounds_pause_waits():
             return {}
-        margin = min(_WAIT_MARGIN_MAX_S, max(_WAIT_MARGIN_MIN_S, _WAIT_MARGIN * self.timeout))
-        return {routes.WAIT_BOUND: f"{max(self.timeout - margin, _WAIT_MARGIN_MIN_S):.3f}"}
+        waited = min(self.timeout, self._wait_cap_s)
+        margin = min(_WAIT_MARGIN_MAX_S, max(_WAIT_MARGIN_MIN_S, _WAIT_MARGIN * waited))
+        return {routes.WAIT_BOUND: f"{max(waited - margin, _WAIT_MARGIN_MIN_S):.3f}"}
 
     def _not_advertised(self, feature: str, call: str, instead: str) -> NotAdvertised:
         """The refusal of ``call``, which needs ``feature`` in every server's init reply."""

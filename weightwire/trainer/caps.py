@@ -52,6 +52,8 @@ class ClientCaps:
     workers_served_model: bool = False
     """``workers_served_model()``: the same, asked of weightwire's workers."""
     shutdown_weight_transfer_engine: bool = False
+    bound_waits: bool = False
+    """``bound_waits(s)``: the client's wait pauses give up before the engine's ``http_s``."""
 
     @classmethod
     def of(cls, client: object) -> ClientCaps:
