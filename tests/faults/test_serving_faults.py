@@ -2,17 +2,19 @@
 nobody waits for any more, weights that are not finite.
 
 One server of its own, ``capped`` (``--generate-timeout 4``, ``--max-reply-bytes`` 50 MB,
-``--check-finite``, a 0.3 s decode step delay), and the suite's shared server (the default
-generate timeout). A "long" request below outlasts every client timeout used here, so a
-request that is answered proves the long one stopped computing: on ``capped`` one row of
-250 tokens (>= 75 s, held by the step delay on any machine, at little CPU), on the shared
-server 64 prompts x n=64 x 250 tokens (minutes of decoding on this model).
+``--check-finite``, a 0.3 s decode step delay, info logs), and the suite's shared server. A
+"long" request below outlasts every client timeout used here, so a request that is answered
+proves the long one stopped computing: one row of 250 tokens on ``capped`` (>= 75 s, held by
+the step delay on any machine, at little CPU).
 """
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -36,7 +38,6 @@ from weightwire.shared.errors import WeightSyncError
 pytestmark = pytest.mark.timeout(240)
 GENERATE_TIMEOUT_S = 4
 MAX_REPLY_BYTES = 50_000_000
-LONG = {"prompt": [[5]] * 64, "n": 64, "max_tokens": 250, "ignore_eos": True}
 CAPPED_STEP_DELAY_S = 0.3
 """``capped``'s decode step delay: ``HELD_LONG`` runs >= 75 s, past ``FOLLOW_UP_TIMEOUT_S``."""
 HELD_LONG = {"prompt": [[5]], "max_tokens": 250, "ignore_eos": True}
@@ -57,6 +58,8 @@ def capped(fault_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "--check-finite",
         "--decode-step-delay",
         str(CAPPED_STEP_DELAY_S),
+        "--log-level",
+        "info",  # the disconnect case reads the server's word that it cancelled the generation
     ) as s:
         yield s
 
@@ -154,15 +157,46 @@ def test_non_finite_weights_fail_a_completion_at_once(
     observe(server=resp.json()["error"]["message"], server_s=t[0])
 
 
-def test_a_generation_whose_client_disconnected_stops(shared_server: Server) -> None:
-    """A long completion's client gives up after 2 s (default generate timeout: 600 s); a
-    one-token completion follows."""
-    with _http(shared_server, timeout=2.0) as impatient, pytest.raises(httpx.ReadTimeout):
-        impatient.post("/v1/completions", json=LONG)
-    with elapsed() as t:
-        after = _served_after(shared_server)
+def _in_flight(server: Server) -> int:
+    return sum(
+        r["generations_in_flight"] for r in httpx.get(server.url + "/health").json()["replicas"]
+    )
+
+
+CANCELLED = "the client disconnected; its generation was cancelled"
+
+
+def test_a_generation_whose_client_disconnected_stops(capped: Server) -> None:
+    """A long completion (``HELD_LONG``: >= 75 s on any machine) whose client disconnects
+    once a replica runs it (the connection closed by the test, no client timeout racing
+    the request's way in); `--generate-timeout` 4 s is the only other end it could meet,
+    and the server's log tells which one it met. A one-token completion follows."""
+    url = urlsplit(capped.url)
+    cancelled_before = capped.log().count(CANCELLED)
+    body = httpx.Request(
+        "POST", capped.url + "/v1/completions", json=HELD_LONG, headers=AUTH
+    )  # the bytes httpx would send, written on a socket the test closes itself
+    head = "".join(f"{k}: {v}\r\n" for k, v in body.headers.items())
+    raw = f"POST /v1/completions HTTP/1.1\r\n{head}\r\n".encode() + body.read()
+    assert _in_flight(capped) == 0
+    with socket.create_connection((url.hostname, url.port), timeout=30) as conn:
+        conn.sendall(raw)
+        deadline = time.monotonic() + 30
+        while _in_flight(capped) == 0:
+            assert time.monotonic() < deadline, "the completion never reached a replica"
+            time.sleep(0.005)
+    with elapsed() as t:  # the client is gone: the generation must stop at its next step
+        deadline = time.monotonic() + 30
+        while _in_flight(capped):
+            assert time.monotonic() < deadline, (
+                "the generation still runs 30 s after its client left"
+            )
+            time.sleep(0.02)
+    log = capped.log()
+    assert log.count(CANCELLED) == cancelled_before + 1, log[-2000:]  # not the generate timeout
+    after = _served_after(capped)
     assert after.status_code == 200, after.text
-    observe(follow_up=after.status_code, follow_up_s=t[0])
+    observe(follow_up=after.status_code, stopped_s=t[0])
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["staged", "in_place_one_request"])
