@@ -369,20 +369,37 @@ def test_pause_abort_and_wait_refuse_new_requests(http: httpx.Client, clean) -> 
         assert _complete(http).status_code == 200
 
 
+def _held(http: httpx.Client) -> int:
+    return int(http.get("/health").json()["requests_held"])
+
+
 def test_pause_keep_queues_until_resume(http: httpx.Client, clean) -> None:
+    """A request posted while paused with mode=keep waits at the gate (``/health`` counts it
+    in ``requests_held`` once it got there, not while it is on its way) until ``/resume``."""
     http.post("/pause", params={"mode": "keep"}).raise_for_status()
+    assert _held(http) == 0
     out: list[httpx.Response] = []
     t = threading.Thread(target=lambda: out.append(_complete(http)))
     t.start()
-    time.sleep(1.0)
-    assert not out, "a request must wait while paused with mode=keep"
-    http.post("/resume").raise_for_status()
-    t.join(60)
+    try:
+        deadline = time.monotonic() + 30
+        while _held(http) == 0:
+            assert time.monotonic() < deadline and not out, (
+                f"the request never waited at the pause gate: {out and out[0].text}"
+            )
+            time.sleep(0.005)
+        health = http.get("/health").json()
+        assert health["requests_held"] == 1 and not out, (health, out and out[0].text)
+        assert health["replicas"][0]["generations_in_flight"] == 0, health
+    finally:
+        http.post("/resume").raise_for_status()
+        t.join(60)
     assert (
         out
         and out[0].status_code == 200
         and out[0].json()["choices"][0]["finish_reason"] == "length"
     )
+    assert _held(http) == 0
 
 
 def test_pause_abort_stops_a_running_generation(http: httpx.Client, clean) -> None:

@@ -141,7 +141,7 @@ def _cache_routes(app: FastAPI) -> None:
 
 
 def _info_routes(app: FastAPI, state: ServerState) -> None:
-    opts, pool = state.options, state.pool
+    opts, pool, gate = state.options, state.pool, state.gate
 
     @app.get(ROUTES["server_info"].path)
     async def server_info() -> dict[str, Any]:
@@ -166,13 +166,15 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get(ROUTES["health"].path)
     async def health() -> JSONResponse:
+        """Every replica's liveness and generations in flight, and ``requests_held``: the
+        completions waiting at the pause gate (``/pause?mode=keep`` or a sleep's keep) to run."""
         replicas = pool.health()
         dead = [r for r in replicas if not r["alive"]]
         if dead:
             return error_response(
                 503, "; ".join(f"replica {r['replica']}: {r['error']}" for r in dead)
             )
-        return JSONResponse({"replicas": replicas})
+        return JSONResponse({"replicas": replicas, "requests_held": gate.held})
 
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")

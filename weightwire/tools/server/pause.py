@@ -3,7 +3,8 @@
 - ``abort``: new requests get 503; in-flight ones stop at their next token and
   return with ``finish_reason: "abort"`` (queued ones get 503).
 - ``wait``: new requests get 503; ``/pause`` returns once in-flight ones finished.
-- ``keep``: new requests are accepted and wait until ``/resume`` (bounded).
+- ``keep``: new requests are accepted and wait until ``/resume`` (bounded); ``/health``'s
+  ``requests_held`` counts them (``PauseGate.held``).
 
 Two independent holds share the gate: a trainer's ``/pause`` and ``/sleep``. Each is
 lifted only by its own route (``/resume``, ``/wake_up``), so waking the server never
@@ -25,6 +26,10 @@ class PauseGate:
         self.sleep_mode: str | None = None
         """The pause mode ``/sleep`` holds generation in while the server sleeps, or None."""
         self.inflight = 0
+        self.held = 0
+        """Requests waiting in ``admit`` for the hold to lift (``/health``'s ``requests_held``):
+        what tells a client that its request reached the gate, not that it is still on its
+        way."""
         self.pauses = 0
         """How many times ``pause`` was called: whether anyone paused since a given moment."""
         self.round_pause: tuple[int, int] | None = None
@@ -57,12 +62,15 @@ class PauseGate:
                     f"the server is asleep (/sleep mode={self.sleep_mode}); POST /wake_up to "
                     "accept requests again",
                 )
+            self.held += 1
             try:
                 await asyncio.wait_for(self._resumed.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
                 raise ApiError(
                     503, f"generation stayed paused (mode=keep) for {timeout:.0f}s; request dropped"
                 ) from None
+            finally:  # also a client gone meanwhile (the request's task cancelled)
+                self.held -= 1
 
     def enter(self) -> None:
         self.inflight += 1
