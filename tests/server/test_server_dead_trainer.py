@@ -127,3 +127,79 @@ def test_an_update_posted_late_but_within_the_transfer_bound_still_commits(
     finally:
         sender.close()
     assert http.get("/weight_info").json()["weight_version"] == "late-update"
+
+
+REPO = Path(__file__).resolve().parents[2]
+UPDATE_DELAY_S = 1.5
+"""How late the dying trainer's update POST leaves: its first half of the round waits in the
+sockets' buffers meanwhile (a tiny model's half fits there)."""
+
+
+@pytest.mark.slow  # ~10 s: a JAX trainer process
+def test_a_trainer_killed_mid_update_in_place_leaves_the_round_failed_and_incomplete(
+    server, http: httpx.Client, tiny_llama: str, base_weights: dict[str, np.ndarray]
+) -> None:
+    """The interop lane's dying trainer (``tests/interop/dying_trainer.py``), in place
+    (``stage_budget_bytes=0``), killed once it says ``PHASE mid_update``, its update POST held
+    back by ``UPDATE_DELAY_S``: the phase must mean the update is in flight at the server
+    (its worker read the bytes; was: half the tensors handed to the sockets, which a
+    delayed POST had not reached, so the kill left the server no update to fail and the
+    interop case waited for an incomplete round that never came). The worker fails the
+    round on the dead link: the model is incomplete, named, generation refused, until a
+    whole round commits (a round of the base weights here)."""
+    failed = http.get("/weight_info").json()["session"]["rounds_failed"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "DYING_TRAINER_UPDATE_DELAY_S": str(UPDATE_DELAY_S),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tests/interop/dying_trainer.py"), server.url, tiny_llama,
+         "mid_update", "9", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )  # fmt: skip
+    try:
+        lines: list[str] = []
+
+        def read() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                if line.startswith("PHASE"):
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(120)
+        assert lines and lines[-1].strip() == "PHASE mid_update", "".join(lines[-30:])
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 30
+        while (info := http.get("/weight_info").json())["session"]["rounds_failed"] == failed:
+            assert time.monotonic() < deadline, f"the round never failed: {info}"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert info["round_incomplete"] is True, info
+    reason = info["incomplete_reason"]
+    assert "the model holds an incomplete weight round" in reason, reason
+    assert "round ended without its commit" in reason, reason
+    refused = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+    assert refused.status_code == 503, refused.text
+    sender = TCPSender(VLLMStyleClient(server.url), replicas=1)
+    try:
+        sender.init()
+        sender.round(base_weights, "whole-after-the-dying-trainer")
+    finally:
+        sender.close()
+    info = http.get("/weight_info").json()
+    assert (
+        info["weight_version"] == "whole-after-the-dying-trainer" and not info["round_incomplete"]
+    )
+    assert (
+        http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2}).status_code == 200
+    )
