@@ -11,9 +11,13 @@ A round applied in place that fails midway (state (c), the round guard) is
 
 from __future__ import annotations
 
+import http.client
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -229,10 +233,47 @@ def test_second_trainer_mid_round_is_refused(served: Served, when: str) -> None:
 
 
 # ---------------------------------------------------------------- live traffic
+class _PostedDuring:
+    """A completion posted while a round is open: written whole to the server's socket once the
+    round's start was answered (before its update and finish are posted), its answer read on
+    a thread. Whatever the pause mode, its life overlaps the round: held at the pause until
+    the resume, or run beside the update."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.replies: list[tuple[int, Any]] = []
+        self.readers: list[threading.Thread] = []
+
+    def post(self) -> None:
+        where = urlsplit(self.url)
+        request = httpx.Request(
+            "POST",
+            f"{self.url}/v1/completions",
+            json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0.0},
+            headers={"connection": "close"},
+        )
+        head = "".join(f"{k}: {v}\r\n" for k, v in request.headers.items())
+        sock = socket.create_connection((where.hostname, where.port), timeout=120)
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\n{head}\r\n".encode() + request.read())
+        reader = threading.Thread(target=self._answer, args=(sock,), daemon=True)
+        reader.start()
+        self.readers.append(reader)
+
+    def _answer(self, sock: socket.socket) -> None:
+        with sock:
+            reply = http.client.HTTPResponse(sock)
+            reply.begin()
+            self.replies.append((reply.status, reply.read()[:200]))
+
+
 def test_live_completions_during_five_rounds_default_settings(served: Served) -> None:
+    """Three clients post completions in a loop through five rounds, and one completion is
+    posted while each round is open (``_PostedDuring``: the loops alone may fall between two
+    rounds); every one is answered 200, and greedy equals Hugging Face after."""
     stop = threading.Event()
     done: list[int] = [0, 0, 0]
     errors: list[str] = []
+    during = _PostedDuring(served.server.url)
 
     def client_loop(i: int) -> None:
         with httpx.Client(timeout=120) as http:
@@ -254,6 +295,13 @@ def test_live_completions_during_five_rounds_default_settings(served: Served) ->
     source = PytreeSource(lambda: live["params"], naming)
     try:
         with HTTPWeightSyncClient(served.server.url, timeout=120) as client:
+            real_start = client.start_weight_update
+
+            def start_then_post() -> None:
+                real_start()
+                during.post()
+
+            client.start_weight_update = start_then_post  # type: ignore[method-assign]
             # Default settings: no pause_mode given (the coordinator is changing the default
             # to "keep").
             engine = JAXTrainerEngine.trainer_init(
@@ -270,10 +318,11 @@ def test_live_completions_during_five_rounds_default_settings(served: Served) ->
                 engine.shutdown()
     finally:
         stop.set()
-        for t in threads:
+        for t in threads + during.readers:
             t.join(timeout=150)
     assert not errors, errors[:3]
     assert all(n > 0 for n in done), done
+    assert [status for status, _ in during.replies] == [200] * 5, during.replies
     load_into_hf(served.hf, source)
     served.version = "live-5"
     assert_same_greedy(served.server, served.hf, "after 5 rounds under live traffic")
