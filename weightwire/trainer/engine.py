@@ -108,9 +108,10 @@ class TrainerEngine(FrameworkHooks):
             pause_mode=None if init_info.pause_mode == "auto" else init_info.pause_mode,
             verifier=RoundVerifier() if init_info.verify else None,
         )
-        if self.session.caps.bound_waits:
+        if self.session.caps.bound_waits and init_info.rank == 0:
             # A wait pause the server drains longer than this engine waits for its call would
-            # outlive the round this engine already reported failed (and broke on).
+            # outlive the round this engine already reported failed (and broke on). Only rank 0
+            # of a group calls the servers: another rank's client is never touched.
             cast(Any, self.client).bound_waits(init_info.timeouts.http_s)
         self._was_displaced = False  # a server dropped our link: another trainer owns the session
         self._sole_round = SoleRounds(self.session)  # rank 0 the only broadcaster
