@@ -140,3 +140,14 @@ class JaxProcessGroup(StoreGroup):
     def _get(self, key: str, timeout: float) -> str:
         # XLA raises a runtime error (DEADLINE_EXCEEDED) on timeout: StoreGroup.read names the key
         return self._client.blocking_key_value_get(key, max(1, int(timeout * 1000)))
+
+    def _put(self, key: str, value: str) -> None:
+        self._client.key_value_set(key, value, allow_overwrite=True)
+
+    def _peek(self, key: str) -> str | None:
+        try:
+            return self._client.key_value_try_get(key)
+        except Exception as exc:  # XLA's NOT_FOUND is a plain runtime error
+            if str(exc).startswith("NOT_FOUND"):
+                return None
+            raise

@@ -6,6 +6,12 @@ the store the trainer already has (``jax.distributed``'s coordination service, t
 c10d store), never over the data plane, and every read is bounded by a timeout, so a
 rank that died or diverged turns into an error naming it instead of a hang.
 
+Liveness: each rank's engine beats while it lives (``Beat``: a thread of its own rewrites one
+key of the engine's exchange every ``BEAT_S``), and a reader waiting longer than a beat for a
+rank's part checks that rank's beat between slices of its wait (``Watch``): a rank whose beat
+stopped changing for ``STOPPED_AFTER_S`` (SIGKILL, OOM, its host gone) or that ended it at
+shutdown fails the wait at once, naming it; a rank merely slow between rounds keeps beating.
+
 Implementations (each a ``StoreGroup``): ``weightwire.jax_side.multiprocess.JaxProcessGroup``
 and ``weightwire.torch_side.sender.group.TorchStoreGroup``; tests may use ``DictGroup``.
 """
@@ -14,15 +20,27 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
 from typing import Any, Protocol, runtime_checkable
 
 from weightwire.shared.errors import ConfigError, RoundError
 
+logger = logging.getLogger(__name__)
+
 _EARLY_SLACK_S = 0.5
 """A store error this much before 90% of the timeout is a failure, not the timeout (stores
 round their timeouts; a loaded machine wakes late)."""
+
+BEAT_S = 1.0
+"""How often a rank's beat thread rewrites its beat, and the slice of a reader's wait between
+two looks at the awaited rank's beat."""
+
+STOPPED_AFTER_S = 6.0
+"""A beat that did not change for this long, as the reader saw it, is a rank that stopped: a
+few beats, so a beat thread held up a while (a loaded host, a GC pause) is not taken for a
+dead rank, yet far below ``http_s``."""
 
 
 class GroupTimeout(RoundError, TimeoutError):
@@ -72,6 +90,86 @@ def _namespace(group: TrainerGroup) -> int:
         return next(entry[1])
 
 
+class Beat:
+    """This rank's heartbeat for one exchange: a daemon thread rewrites ``key`` every ``BEAT_S``
+    with a counter and its wall time, beside the rank's main thread (which may compute for
+    minutes between rounds), until ``stop``, which writes the beat's end (``left``).
+
+    Hand-written: torch's ``TCPStore`` tells no client whether another is connected, and
+    ``jax.distributed``'s ``get_live_nodes`` is a collective every live process must enter
+    (it blocks until they do), so neither answers "is rank r alive" without waiting on r.
+    """
+
+    def __init__(self, group: StoreGroup, key: str) -> None:
+        self._group, self._key = group, key
+        self._stop = threading.Event()
+        self._count = 0
+        self._thread: threading.Thread | None = None
+
+    def _write(self, **extra: Any) -> None:
+        self._count += 1
+        beat = {"n": self._count, "at": time.time(), **extra}
+        self._group.beat(self._key, json.dumps(beat))
+
+    def start(self) -> None:
+        self._write()  # before any agreement: a rank killed after this is known stopped
+        self._thread = threading.Thread(
+            target=self._run, name=f"weightwire-beat-{self._group.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            try:
+                self._write()
+            except Exception as exc:  # the store is gone: the readers' own bounds hold
+                logger.debug("trainer rank %d could not beat: %s", self._group.rank, exc)
+
+    def stop(self, why: str) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * BEAT_S)
+        try:
+            self._write(left=why)
+        except Exception as exc:  # a store already gone: the readers see the beat stop instead
+            logger.debug("trainer rank %d could not end its beat: %s", self._group.rank, exc)
+
+
+class Watch:
+    """The other ranks' beats as this rank saw them while it waited on them: each beat's last
+    value and when (this host's monotonic clock) it last changed, so the verdict "stopped"
+    never compares two hosts' clocks."""
+
+    def __init__(self, group: StoreGroup, key_of: Any) -> None:
+        self._group, self._key_of = group, key_of
+        self._seen: dict[int, tuple[str, float]] = {}
+
+    def stopped(self, rank: int) -> str | None:
+        """Why ``rank`` will never post (it ended its beat, or its beat stopped), else None
+        (alive, or no beat yet: a rank not started is waited for as before)."""
+        raw = self._group.peek(self._key_of(rank))
+        if raw is None:
+            return None
+        now = time.monotonic()
+        beat = json.loads(raw)
+        at = time.strftime("%H:%M:%S UTC", time.gmtime(beat.get("at", 0)))
+        if beat.get("left"):
+            return f"trainer rank {rank} {beat['left']} at {at} (its clock)"
+        seen = self._seen.get(rank)
+        if seen is None or seen[0] != raw:
+            self._seen[rank] = (raw, now)
+            return None
+        if now - seen[1] < STOPPED_AFTER_S:
+            return None
+        return (
+            f"trainer rank {rank} stopped beating: its last beat, at {at} (its clock), has not "
+            f"changed for {now - seen[1]:.1f} s (its process died: killed, out of memory, or "
+            "its host is gone)"
+        )
+
+
 class Exchange:
     """Lockstep exchanges over a ``TrainerGroup``: every rank calls the same sequence of
     ``allgather`` / ``post`` / ``get``, so the n-th call on each rank uses the same key."""
@@ -82,9 +180,33 @@ class Exchange:
         # exchange over each rank's store gets the same namespace.
         self._ns = _namespace(group)
         self._seq = 0
+        self._beat: Beat | None = None
+        # a group that cannot rewrite or peek at a key (a user's own TrainerGroup) has no
+        # liveness: its reads are bounded by their timeouts alone
+        self._watch = (
+            Watch(group, self._alive_key)
+            if isinstance(group, StoreGroup) and group.beats
+            else None
+        )
 
     def _key(self, name: str, rank: int) -> str:
         return f"weightwire/{self._ns}/{self._seq}/{name}/{rank}"
+
+    def _alive_key(self, rank: int) -> str:
+        return f"weightwire/{self._ns}/alive/{rank}"
+
+    def start_beat(self) -> None:
+        """This rank beats under this exchange's namespace until ``stop_beat`` (its engine's
+        shutdown): the other ranks' waits on it see it alive, or stopped."""
+        if self._watch is None or self._beat is not None:
+            return
+        assert isinstance(self.group, StoreGroup)
+        self._beat = Beat(self.group, self._alive_key(self.group.rank))
+        self._beat.start()
+
+    def stop_beat(self, why: str = "shut down its engine") -> None:
+        if self._beat is not None:
+            self._beat.stop(why)
 
     def step(self) -> None:
         self._seq += 1
@@ -94,22 +216,54 @@ class Exchange:
 
     def get(self, name: str, rank: int, timeout: float, bound: float | None = None) -> Any:
         """Rank ``rank``'s ``name``, waiting at most ``timeout`` s; ``bound``: the timeout
-        the caller was given, named in the error (``timeout`` is what is left of it)."""
+        the caller was given, named in the error (``timeout`` is what is left of it). A wait
+        longer than ``BEAT_S`` looks at ``rank``'s beat between slices of ``BEAT_S`` and
+        fails at once where the rank stopped (the first slice is the whole read of a part
+        already posted: no extra call)."""
         bound = timeout if bound is None else bound
+        key = self._key(name, rank)
+        start = time.monotonic()
+        deadline = start + timeout
+        while True:
+            left = deadline - time.monotonic()
+            last = self._watch is None or left <= 1.5 * BEAT_S
+            try:
+                return json.loads(self.group.read(key, max(0.001, left) if last else BEAT_S))
+            except GroupTimeout as exc:
+                if exc.after_s is not None:
+                    after = time.monotonic() - start
+                    raise GroupTimeout(
+                        f"reading trainer rank {rank}'s {name!r} failed after {after:.1f} s, "
+                        f"before its {bound:g} s timeout: {exc} (is the group's store, or the "
+                        "rank hosting it, gone?)",
+                        after_s=after,
+                    ) from None
+                if last:
+                    raise GroupTimeout(
+                        f"trainer rank {rank} did not publish {name!r} within {bound:g} s "
+                        "(it died, hung, or is running a different step)"
+                    ) from None
+            self._check_alive(name, rank, key, start)
+
+    def _check_alive(self, name: str, rank: int, key: str, start: float) -> None:
+        assert self._watch is not None
         try:
-            return json.loads(self.group.read(self._key(name, rank), timeout))
-        except GroupTimeout as exc:
-            if exc.after_s is not None:
-                raise GroupTimeout(
-                    f"reading trainer rank {rank}'s {name!r} failed after {exc.after_s:.1f} s, "
-                    f"before its {bound:g} s timeout: {exc} (is the group's store, or the rank "
-                    "hosting it, gone?)",
-                    after_s=exc.after_s,
-                ) from None
-            raise GroupTimeout(
-                f"trainer rank {rank} did not publish {name!r} within {bound:g} s "
-                "(it died, hung, or is running a different step)"
-            ) from None
+            why = self._watch.stopped(rank)
+        except Exception as exc:  # the store failed: the next slice's read tells it
+            logger.debug("could not read trainer rank %d's beat: %s", rank, exc)
+            return
+        if why is None:
+            return
+        try:  # posted in the instant before it left (leave() posts, then ends the beat)
+            self.group.read(key, 0.001)
+            return
+        except GroupTimeout:
+            pass
+        raise GroupTimeout(
+            f"{why}, while trainer rank {self.group.rank} waited {time.monotonic() - start:.1f} s "
+            f"for its {name!r}: it will not post it. Call shutdown() and trainer_init() again "
+            "on every rank (a rank restarted alone is out of step)"
+        )
 
     def allgather(self, name: str, value: Any, timeout: float) -> list[Any]:
         self.post(name, value)
@@ -152,6 +306,26 @@ class StoreGroup:
     def _get(self, key: str, timeout: float) -> str:
         """The value under ``key``, waiting at most ``timeout`` s; raise anything on timeout."""
         raise NotImplementedError
+
+    def _put(self, key: str, value: str) -> None:
+        """Set ``key``, overwriting its value (a beat); a store that cannot: no liveness."""
+        raise NotImplementedError
+
+    def _peek(self, key: str) -> str | None:
+        """The value under ``key`` now, None if none, without waiting."""
+        raise NotImplementedError
+
+    @property
+    def beats(self) -> bool:
+        """Whether this store takes beats (``_put`` and ``_peek`` implemented)."""
+        cls = type(self)
+        return cls._put is not StoreGroup._put and cls._peek is not StoreGroup._peek
+
+    def beat(self, key: str, value: str) -> None:
+        self._put(key, value)
+
+    def peek(self, key: str) -> str | None:
+        return self._peek(key)
 
     def publish(self, key: str, value: str) -> None:
         self._set(key, value)
@@ -198,6 +372,13 @@ class DictGroup(StoreGroup):
         with self._cv:
             self._shared[key] = value
             self._cv.notify_all()
+
+    def _put(self, key: str, value: str) -> None:
+        self._set(key, value)
+
+    def _peek(self, key: str) -> str | None:
+        with self._cv:
+            return self._shared.get(key)
 
     def _get(self, key: str, timeout: float) -> str:
         with self._cv:
