@@ -130,6 +130,7 @@ def test_a_rank_killed_between_rounds_fails_the_next_round_in_seconds_and_a_slow
     assert slow["seconds"] >= report["slow_s"] - 1, report  # rank 0 waited through the step
     rank1 = json.loads(done[1].stdout.strip().splitlines()[-1])["rounds"]
     assert [r["kind"] for r in rank1] == ["ok", "ok"], rank1
+    print(mode, "after the kill:", after_kill)
     assert after_kill["kind"] == "GroupTimeout", report
     message = after_kill["message"]
     assert "trainer rank 1 stopped beating" in message, message

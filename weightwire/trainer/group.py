@@ -23,6 +23,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from weightwire.shared.errors import ConfigError, RoundError
@@ -142,7 +143,7 @@ class Watch:
     value and when (this host's monotonic clock) it last changed, so the verdict "stopped"
     never compares two hosts' clocks."""
 
-    def __init__(self, group: StoreGroup, key_of: Any) -> None:
+    def __init__(self, group: StoreGroup, key_of: Callable[[int], str]) -> None:
         self._group, self._key_of = group, key_of
         self._seen: dict[int, tuple[str, float]] = {}
 
@@ -184,9 +185,7 @@ class Exchange:
         # a group that cannot rewrite or peek at a key (a user's own TrainerGroup) has no
         # liveness: its reads are bounded by their timeouts alone
         self._watch = (
-            Watch(group, self._alive_key)
-            if isinstance(group, StoreGroup) and group.beats
-            else None
+            Watch(group, self._alive_key) if isinstance(group, StoreGroup) and group.beats else None
         )
 
     def _key(self, name: str, rank: int) -> str:
