@@ -141,8 +141,17 @@ class JaxProcessGroup(StoreGroup):
         # XLA raises a runtime error (DEADLINE_EXCEEDED) on timeout: StoreGroup.read names the key
         return self._client.blocking_key_value_get(key, max(1, int(timeout * 1000)))
 
+    @property
+    def beats(self) -> bool:
+        # jaxlib's client gained a non-blocking read (key_value_try_get) after 0.4.30
+        return hasattr(self._client, "key_value_try_get")
+
     def _put(self, key: str, value: str) -> None:
-        self._client.key_value_set(key, value, allow_overwrite=True)
+        try:
+            self._client.key_value_set(key, value, allow_overwrite=True)
+        except TypeError:  # a jaxlib without allow_overwrite: a reader may see no beat a moment
+            self._client.key_value_delete(key)
+            self._client.key_value_set(key, value)
 
     def _peek(self, key: str) -> str | None:
         try:

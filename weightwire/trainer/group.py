@@ -113,7 +113,18 @@ class Beat:
         self._group.beat(self._key, json.dumps(beat))
 
     def start(self) -> None:
-        self._write()  # before any agreement: a rank killed after this is known stopped
+        try:
+            self._write()  # before any agreement: a rank killed after this is known stopped
+        except Exception as exc:  # the others' waits on this rank keep their own bounds
+            logger.warning(
+                "trainer rank %d cannot beat over its group's store (%s: %s): another rank "
+                "learns that this one died only at its own timeout",
+                self._group.rank,
+                type(exc).__name__,
+                exc,
+            )
+            self._stop.set()
+            return
         self._thread = threading.Thread(
             target=self._run, name=f"weightwire-beat-{self._group.rank}", daemon=True
         )
