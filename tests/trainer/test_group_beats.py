@@ -113,6 +113,7 @@ def test_a_rank_without_a_beat_is_waited_for_to_the_timeout_and_a_posted_part_is
 def test_the_beat_thread_ends_at_stop() -> None:
     _, one, _ = pair()
     one.start_beat()
-    assert any(t.name == "weightwire-beat-1" for t in threading.enumerate())
+    beat = one._beat
+    assert beat is not None and beat._thread is not None and beat._thread.is_alive()
     one.stop_beat()
-    assert not any(t.name == "weightwire-beat-1" and t.is_alive() for t in threading.enumerate())
+    assert not beat._thread.is_alive()
