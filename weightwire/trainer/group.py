@@ -104,6 +104,7 @@ class Beat:
     def __init__(self, group: StoreGroup, key: str) -> None:
         self._group, self._key = group, key
         self._stop = threading.Event()
+        self._why = ""
         self._count = 0
         self._thread: threading.Thread | None = None
 
@@ -136,17 +137,20 @@ class Beat:
                 self._write()
             except Exception as exc:  # the store is gone: the readers' own bounds hold
                 logger.debug("trainer rank %d could not beat: %s", self._group.rank, exc)
+        try:  # the last word on this thread too: a store that hangs holds no shutdown
+            self._write(left=self._why)
+        except Exception as exc:  # the readers see the beat stop instead
+            logger.debug("trainer rank %d could not end its beat: %s", self._group.rank, exc)
 
     def stop(self, why: str) -> None:
+        """Ends the beat with ``why`` (a reader waiting on this rank names it), waiting at most
+        two beats for the thread."""
         if self._stop.is_set():
             return
+        self._why = why
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * BEAT_S)
-        try:
-            self._write(left=why)
-        except Exception as exc:  # a store already gone: the readers see the beat stop instead
-            logger.debug("trainer rank %d could not end its beat: %s", self._group.rank, exc)
 
 
 class Watch:
