@@ -38,6 +38,10 @@ BEAT_S = 1.0
 """How often a rank's beat thread rewrites its beat, and the slice of a reader's wait between
 two looks at the awaited rank's beat."""
 
+_POLL_S = 0.1
+"""How often a wait longer than a beat looks whether the part was posted (one non-blocking
+read; at most this much later than a blocking read would have returned)."""
+
 STOPPED_AFTER_S = 6.0
 """A beat that did not change for this long, as the reader saw it, is a rank that stopped: a
 few beats, so a beat thread held up a while (a loaded host, a GC pause) is not taken for a
@@ -230,49 +234,68 @@ class Exchange:
 
     def get(self, name: str, rank: int, timeout: float, bound: float | None = None) -> Any:
         """Rank ``rank``'s ``name``, waiting at most ``timeout`` s; ``bound``: the timeout
-        the caller was given, named in the error (``timeout`` is what is left of it). A wait
-        longer than ``BEAT_S`` looks at ``rank``'s beat between slices of ``BEAT_S`` and
-        fails at once where the rank stopped (the first slice is the whole read of a part
-        already posted: no extra call)."""
+        the caller was given, named in the error (``timeout`` is what is left of it). The
+        first ``BEAT_S`` of the wait is one blocking read (a part posted already, or soon, costs
+        what it did); a longer wait then looks for the part every ``_POLL_S`` and at ``rank``'s
+        beat every ``BEAT_S``, and fails at once where the rank stopped (``Watch``). Polled,
+        not more blocking reads: a TCPStore wait that times out logs two warnings each time."""
         bound = timeout if bound is None else bound
         key = self._key(name, rank)
         start = time.monotonic()
         deadline = start + timeout
+        whole = self._watch is None or timeout <= 1.5 * BEAT_S
+        try:
+            return json.loads(self.group.read(key, timeout if whole else BEAT_S))
+        except GroupTimeout as exc:
+            if exc.after_s is not None:
+                raise self._lost(name, rank, bound, start, exc) from None
+            if whole:
+                raise self._unpublished(name, rank, bound) from None
+        assert isinstance(self.group, StoreGroup)
+        look = time.monotonic()  # the first look at the beat: now, then every BEAT_S
         while True:
-            left = deadline - time.monotonic()
-            last = self._watch is None or left <= 1.5 * BEAT_S
             try:
-                return json.loads(self.group.read(key, max(0.001, left) if last else BEAT_S))
-            except GroupTimeout as exc:
-                if exc.after_s is not None:
-                    after = time.monotonic() - start
-                    raise GroupTimeout(
-                        f"reading trainer rank {rank}'s {name!r} failed after {after:.1f} s, "
-                        f"before its {bound:g} s timeout: {exc} (is the group's store, or the "
-                        "rank hosting it, gone?)",
-                        after_s=after,
-                    ) from None
-                if last:
-                    raise GroupTimeout(
-                        f"trainer rank {rank} did not publish {name!r} within {bound:g} s "
-                        "(it died, hung, or is running a different step)"
-                    ) from None
-            self._check_alive(name, rank, key, start)
+                raw = self.group.peek(key)
+            except Exception as exc:  # the store itself failed (a lost connection)
+                lost = GroupTimeout(f"{type(exc).__name__}: {str(exc)[:200]}", after_s=0.0)
+                raise self._lost(name, rank, bound, start, lost) from None
+            if raw is not None:
+                return json.loads(raw)
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._unpublished(name, rank, bound)
+            if now >= look:
+                self._check_alive(name, rank, start)
+                look = now + BEAT_S
+            time.sleep(min(_POLL_S, max(0.0, deadline - now)))
 
-    def _check_alive(self, name: str, rank: int, key: str, start: float) -> None:
-        assert self._watch is not None
+    @staticmethod
+    def _unpublished(name: str, rank: int, bound: float) -> GroupTimeout:
+        return GroupTimeout(
+            f"trainer rank {rank} did not publish {name!r} within {bound:g} s "
+            "(it died, hung, or is running a different step)"
+        )
+
+    @staticmethod
+    def _lost(name: str, rank: int, bound: float, start: float, exc: GroupTimeout) -> GroupTimeout:
+        after = time.monotonic() - start
+        return GroupTimeout(
+            f"reading trainer rank {rank}'s {name!r} failed after {after:.1f} s, before its "
+            f"{bound:g} s timeout: {exc} (is the group's store, or the rank hosting it, gone?)",
+            after_s=after,
+        )
+
+    def _check_alive(self, name: str, rank: int, start: float) -> None:
+        assert self._watch is not None and isinstance(self.group, StoreGroup)
         try:
             why = self._watch.stopped(rank)
-        except Exception as exc:  # the store failed: the next slice's read tells it
+        except Exception as exc:  # the store failed: the next look at the part tells it
             logger.debug("could not read trainer rank %d's beat: %s", rank, exc)
             return
         if why is None:
             return
-        try:  # posted in the instant before it left (leave() posts, then ends the beat)
-            self.group.read(key, 0.001)
-            return
-        except GroupTimeout:
-            pass
+        if self.group.peek(self._key(name, rank)) is not None:
+            return  # posted in the instant before it left (leave() posts, then ends the beat)
         raise GroupTimeout(
             f"{why}, while trainer rank {self.group.rank} waited {time.monotonic() - start:.1f} s "
             f"for its {name!r}: it will not post it. Call shutdown() and trainer_init() again "
