@@ -53,7 +53,7 @@ class TorchStoreGroup(StoreGroup):
     def _get(self, key: str, timeout: float) -> str:
         # torch raises DistStoreError / RuntimeError variants on timeout:
         # StoreGroup.read names the key (a timed-out wait leaves the connection usable, which
-        # the liveness slices of a long wait rely on)
+        # a long wait's polling after its first read of a beat relies on)
         self._store.wait([key], datetime.timedelta(seconds=timeout))
         return bytes(self._store.get(key)).decode()
 
