@@ -4,6 +4,7 @@ threads; NCCL with a fake communicator), and the trainer-side gates (threads as 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -306,6 +307,7 @@ def test_group_with_one_broadcaster_uses_the_ordinary_round_and_shares_the_verdi
     sources = [DictSource(dict(tensors), describe) for _ in range(2)]
 
     def rank(r: int, fail: bool) -> None:
+        engine = None
         try:
             cfg = TrainerInitInfo(backend="fake_host", rank=r, pause_mode=None)
             engine = JAXTrainerEngine.trainer_init(
@@ -317,6 +319,10 @@ def test_group_with_one_broadcaster_uses_the_ordinary_round_and_shares_the_verdi
             results[r].append(engine.send_weights().version)
         except BaseException as exc:  # recorded per rank
             results[r] = [*(results[r] or []), exc]
+        finally:
+            if engine is not None:  # its beat thread ends with it
+                with contextlib.suppress(Exception):
+                    engine.shutdown()
 
     real = server.handler
 

@@ -254,6 +254,30 @@ def test_a_rank_that_shut_down_fails_the_others_next_round_at_once(
     assert served(client)[1] == "both"
 
 
+def test_each_engine_beats_while_it_lives_and_its_beat_ends_at_shutdown(
+    server_url: str, checkpoint: dict[str, np.ndarray]
+) -> None:
+    """Every rank's engine beats from its trainer_init on (its beat thread alive while it
+    runs rounds), and no beat thread outlives its engine's shutdown (nothing carries over
+    to the next engine over the same store)."""
+    timeouts = Timeouts(http_s=6, connect_s=20, warmup_s=20, transfer_s=10)
+
+    def beating() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("weightwire-beat-")}
+
+    before = beating()
+    during: dict[int, bool] = {}
+
+    def rounds(rank: int, engine: Any) -> list[Outcome]:
+        during[rank] = any(t.name == f"weightwire-beat-{rank}" for t in beating() - before)
+        return [attempt(engine, "beats")]
+
+    zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 2.5)
+    assert zero[0][:2] == ("ok", "beats") and one[0][:2] == ("ok", "beats"), (zero, one)
+    assert during == {0: True, 1: True}
+    assert not {t for t in beating() - before if t.is_alive()}
+
+
 def test_a_rank_whose_own_pass_failed_learns_the_round_rank_zero_committed(
     server_url: str, checkpoint: dict[str, np.ndarray], client: HTTPWeightSyncClient
 ) -> None:

@@ -100,3 +100,44 @@ def test_faults_name_the_rank(torch_report: tuple[dict[str, Any], list[int]]) ->
     assert "disagree on the metadata: rank(s) [1]" in errors["disagree"], errors
     assert "turn of trainer rank 1 (src 1" in errors["dies"], errors
     assert "from src 1" in errors["dies"], errors  # the worker names the broadcaster it lost
+
+
+BEAT_SCRIPT = Path(__file__).with_name("_beat_rank.py")
+
+
+@pytest.mark.parametrize("mode", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
+def test_a_rank_killed_between_rounds_fails_the_next_round_in_seconds_and_a_slow_one_commits(
+    server_url: str, tmp_path: Path, mode: str
+) -> None:
+    """Rank 1 computes longer than a stopped beat's bound between rounds 1 and 2 (round 2
+    commits on both: it beat on), then is SIGKILLed between rounds 2 and 3: rank 0's round 3
+    fails within a few beats, naming rank 1 and what to do (was: at http_s, 60 s here,
+    'did not publish')."""
+    out = tmp_path / "beat.json"
+    port = ranks.free_port()
+    done = ranks.run_ranks(
+        [[str(BEAT_SCRIPT), mode, str(r), str(port), server_url, str(out)] for r in (0, 1)],
+        timeout=180,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    logs = "\n---\n".join(f"{p.stdout[-2000:]}\n{p.stderr[-3000:]}" for p in done)
+    assert [p.returncode for p in done] == [0, -9], logs
+    assert out.exists(), logs
+    report = json.loads(out.read_text())
+    first, slow, after_kill, *_ = report["rounds"]
+    assert (first["kind"], first["message"]) == ("ok", "1"), report
+    assert (slow["kind"], slow["message"]) == ("ok", "2"), report
+    assert slow["seconds"] >= report["slow_s"] - 1, report  # rank 0 waited through the step
+    rank1 = json.loads(done[1].stdout.strip().splitlines()[-1])["rounds"]
+    assert [r["kind"] for r in rank1] == ["ok", "ok"], rank1
+    print(mode, "after the kill:", after_kill)
+    assert after_kill["kind"] == "GroupTimeout", report
+    message = after_kill["message"]
+    assert "trainer rank 1 stopped beating" in message, message
+    assert "while trainer rank 0 waited" in message and "'round'" in message, message
+    assert "shutdown() and trainer_init() again on every rank" in message, message
+    # a few beats (STOPPED_AFTER_S + a slice), far below http_s (the old wait)
+    assert after_kill["seconds"] < report["http_s"] / 4, report
+    # a long wait polls after its first blocking read: c10d logs a timed-out TCPStore wait
+    # ("likely a timeout"), once per wait, not once per second of it (16 s of waits here)
+    assert done[0].stderr.count("likely a timeout") <= 4, done[0].stderr[-3000:]

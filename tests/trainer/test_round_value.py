@@ -70,3 +70,4 @@ def test_several_broadcasters_run_over_a_wire_chosen_at_set_up_not_mixins() -> N
         )
         multi = MultiSource(session, groups[0], cast(Any, None))
         assert type(multi.wire) is wire and multi.wire.ranks is multi.ranks
+        multi.close()  # its beat thread

@@ -5,6 +5,7 @@ the calls, so what is checked is the ranks' agreement and gates, not a server.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -63,9 +64,14 @@ def run_ranks(
                 DictSource(dict(tensors), describe), lambda n, r=r: owner(n, r), rank=r
             )
             cfg = TrainerInitInfo(backend=backend, rank=r, pause_mode=None, **info)
-            JAXTrainerEngine.trainer_init(cfg, client=client, source=source, group=groups[r])
+            engine = JAXTrainerEngine.trainer_init(
+                cfg, client=client, source=source, group=groups[r]
+            )
         except BaseException as exc:  # recorded per rank
             errors[r] = exc
+            return
+        with contextlib.suppress(Exception):  # its beat thread ends with it
+            engine.shutdown()
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for t in threads:

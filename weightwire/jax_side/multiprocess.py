@@ -140,3 +140,23 @@ class JaxProcessGroup(StoreGroup):
     def _get(self, key: str, timeout: float) -> str:
         # XLA raises a runtime error (DEADLINE_EXCEEDED) on timeout: StoreGroup.read names the key
         return self._client.blocking_key_value_get(key, max(1, int(timeout * 1000)))
+
+    @property
+    def beats(self) -> bool:
+        # jaxlib's client gained a non-blocking read (key_value_try_get) after 0.4.30
+        return hasattr(self._client, "key_value_try_get")
+
+    def _put(self, key: str, value: str) -> None:
+        try:
+            self._client.key_value_set(key, value, allow_overwrite=True)
+        except TypeError:  # a jaxlib without allow_overwrite: a reader may see no beat a moment
+            self._client.key_value_delete(key)
+            self._client.key_value_set(key, value)
+
+    def _peek(self, key: str) -> str | None:
+        try:
+            return self._client.key_value_try_get(key)
+        except Exception as exc:  # XLA's NOT_FOUND is a plain runtime error
+            if str(exc).startswith("NOT_FOUND"):
+                return None
+            raise

@@ -203,7 +203,11 @@ class TrainerEngine(FrameworkHooks):
                     "send dense rounds (delta='off')"
                 )
             engine._multi = MultiSource(engine.session, group, engine._sole_round)
-            engine._multi.connect()
+            try:
+                engine._multi.connect()
+            except BaseException:
+                engine._multi.close("failed its trainer_init")  # no beat outlives the engine
+                raise
         elif init_info.is_sender:
             open_wire(engine.session)
         return engine
@@ -502,8 +506,10 @@ class TrainerEngine(FrameworkHooks):
         unseen = self._overlapped.stop(in_flight, timeout)
         self.session.failed_first.stopping()  # a running call's error from now on may be ours
         self._closed = True
-        if self._multi is not None and self._caller is None:  # between rounds: in step
-            self._multi.leave()
+        if self._multi is not None:
+            if self._caller is None:  # between rounds: in step
+                self._multi.leave()
+            self._multi.close()
         told = False
         try:
             told = close_wire(self.session, displaced=self._displaced())

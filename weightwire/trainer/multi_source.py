@@ -44,6 +44,10 @@ once and stays usable. A rank whose own pass over its source fails while rank 0 
 tells rank 0 at once and raises its own error: rank 0 stops the round at its next tensor
 (``OwnPasses``), so it and the other ranks raise ``RoundFailed`` naming that rank, each engine
 kept or broken as rank 0's (the failed rank's: by the next round's agreement).
+Each rank beats while its engine lives (``group.Beat``): a rank that waits for another's part
+longer than a beat looks at its beat, so a rank that died between rounds (SIGKILL, OOM) fails
+the others' next round within a few beats (``group.STOPPED_AFTER_S``), ``GroupTimeout`` naming
+it and since when (was: at their ``http_s``); a rank merely slow keeps beating.
 ``weightwire_tcp`` and ``weightwire_nccl`` run several broadcasters (``check_receiver``);
 a single-broadcaster plan is the engine's own one-turn round, its verdict published.
 """
@@ -184,6 +188,14 @@ class MultiSource:
         self.settled: dict[str, Any] | None = None
         """Not rank 0: the outcome of a round whose verdict this rank gave up on, as the next
         round's agreement told it: ``version`` (committed) or ``error``."""
+        # alive from here to close(): another rank's wait on this one fails within a few
+        # beats once this process dies, not at its http_s
+        self.exchange.start_beat()
+
+    def close(self, why: str = "shut down its engine") -> None:
+        """This rank's engine ends (its shutdown, or a failed ``trainer_init``): its beat
+        stops, ending with ``why`` (a rank still waiting on it fails at once, naming it)."""
+        self.exchange.stop_beat(why)
 
     # -- agreement ----------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ process group's.
 from __future__ import annotations
 
 import datetime
+import threading
 from typing import Any
 
 import torch.distributed as dist
@@ -39,6 +40,8 @@ class TorchStoreGroup(StoreGroup):
             dist.get_world_size() if size is None else size,
         )
         self._store, self._identity = store, identity
+        self._beat_store: Any = None
+        self._beat_lock = threading.Lock()
 
     @property
     def store(self) -> object:
@@ -49,6 +52,24 @@ class TorchStoreGroup(StoreGroup):
 
     def _get(self, key: str, timeout: float) -> str:
         # torch raises DistStoreError / RuntimeError variants on timeout:
-        # StoreGroup.read names the key
+        # StoreGroup.read names the key (a timed-out wait leaves the connection usable, which
+        # a long wait's polling after its first read of a beat relies on)
         self._store.wait([key], datetime.timedelta(seconds=timeout))
+        return bytes(self._store.get(key)).decode()
+
+    def _put(self, key: str, value: str) -> None:
+        # The beat thread's own connection: a TCPStore client serves one call at a time, so
+        # on the shared one a beat would queue behind the main thread's blocking wait (or a
+        # user's own store.wait) and read as a stopped rank.
+        with self._beat_lock:
+            if self._beat_store is None:
+                try:
+                    self._beat_store = self._store.clone()
+                except Exception:  # a store without clone(): beat over the shared client
+                    self._beat_store = self._store
+        self._beat_store.set(key, value)
+
+    def _peek(self, key: str) -> str | None:
+        if not self._store.check([key]):
+            return None
         return bytes(self._store.get(key)).decode()
