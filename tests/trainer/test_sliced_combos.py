@@ -466,6 +466,55 @@ def test_a_worker_link_lost_after_its_pieces_commits_the_round_and_stops_the_nex
         client.close()
 
 
+def fail_commit(client: TPClient, worker: int) -> None:
+    """Worker ``worker``'s next commit fails before it writes a tensor (an out-of-memory at
+    its load), while the others commit theirs."""
+
+    def refuse() -> None:
+        raise RuntimeError(f"out of memory loading the round on worker {worker}")
+
+    def arm() -> None:
+        client.engines[worker]._core._round.commit = refuse
+        client.before_finish = None
+
+    client.before_finish = arm
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["dense", "delta"])
+def test_a_commit_failing_on_one_rank_keeps_the_model_refused_until_a_whole_round(
+    delta: bool,
+) -> None:
+    """A staged sliced round (no pause: ``auto`` within the budget) whose commit fails on
+    worker 1 only: worker 0 serves the new slice beside worker 1's old one, so worker 1
+    says the model is not whole (naming its ranks), the trainer holds the round guard and
+    its release is refused (requests refused, saying why); the next round commits whole on
+    both and lifts the guard. Was: each worker said whole, no guard: a half-new model
+    served."""
+    client = GuardClient(TP2)
+    tensors: dict[str, Any] = {}
+    with opened(client, tensors, pause_mode="auto", delta="auto" if delta else "off") as engine:
+        full = load(tensors, 1)
+        engine.send_weights()
+        assert client.calls == []  # a staged round under auto: no pause, no guard
+        fail_commit(client, 1)
+        new = load(tensors, 2)
+        with pytest.raises(WeightwireError, match="other ranks may have committed"):
+            engine.send_weights()
+        half = params(client)
+        assert all(torch.equal(half[0][n], t) for n, t in expected(TP2, new, 0).items())
+        assert all(torch.equal(half[1][n], t) for n, t in expected(TP2, full, 1).items())
+        whole = state(client)
+        assert whole[0]["whole"] is True and whole[1]["whole"] is False
+        assert "other ranks may have committed" in whole[1]["reason"]
+        assert client.held and client.calls == ["hold", "release refused"]
+        full = load(tensors, 3)
+        engine.send_weights()
+        assert client.last_update["sliced"] is True
+        assert_loaded(client, full)
+        assert [s["whole"] for s in state(client)] == [True, True]
+        assert not client.held and client.calls[2:] == ["hold", "release"]
+
+
 # ------------------------------------------------------------------ 6. wants that do not fit
 
 ATTN_Q = "model.layers.0.self_attn.q_proj.weight"

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from weightwire.backends.base import RoundSender, Sent
@@ -52,6 +52,7 @@ from weightwire.trainer.multi_verify import verify_union
 from weightwire.trainer.session import SentKey, Session
 from weightwire.trainer.transfer import Transfer, best_effort_resume, start_opened_nothing
 from weightwire.trainer.verify import VerifyError, VerifyReport
+from weightwire.vllm_guard import MIDDLEWARE
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +192,8 @@ class _Servers:
     one_request: bool = False
     """The round's start (with its pause) rides on its update, which carries its finish:
     one request (``early.one_request``)."""
+    finishing: bool = False
+    """The finish went out: a worker may have committed the round while another failed."""
 
 
 def was_committed(exc: BaseException) -> bool:
@@ -242,6 +245,8 @@ def lead_round(
     pause = r.pause
     if pause is None:
         pause = s.round_pause(r.metas, keep=not r.delta)
+    if s.guard_left_held and not pause.guard:
+        pause = replace(pause, guard=True)  # its commit lifts the guard a failed one left
     servers = _Servers()
     # the finish in the update POST where the server offers it (one server, one update)
     finish = finish_in_update(
@@ -276,7 +281,7 @@ def lead_round(
         report = verify(s, r, own, clock)
     except BaseException as exc:
         s.failed_first.failed(exc)  # before recover's calls, which a shutdown may meet
-        recover(s, pause, early, servers, exc, end)
+        recover(s, pause, early, servers, exc, end, version=r.version)
         raise
     if end is not None:
         end.committed(r.version)
@@ -453,6 +458,7 @@ def commit(
         if r.before_commit is not None:  # an overlapped round that shutdown stopped
             r.before_commit()
         try:
+            servers.finishing = True
             if finish is not None and finish.posted:
                 resumed = finish.committed(recorded)
             else:
@@ -482,6 +488,8 @@ def commit(
                 )
             raise
         servers.held = release_guard(s.client, pause)
+        if pause.guard:
+            s.guard_left_held = False
 
 
 def _record(s: Session, r: Round) -> None:
@@ -513,6 +521,7 @@ def recover(
     servers: _Servers,
     exc: BaseException,
     end: RoundEnd | None,
+    version: str = "",
 ) -> None:
     """A failed round: undo what it did to the servers, as far as is safe; the caller raises."""
     committed = was_committed(exc) or servers.committed
@@ -542,6 +551,10 @@ def recover(
             s.broken = exc
     if end is not None:
         end.failed(exc, committed=committed)
+    if not committed and servers.finishing and not servers.held:
+        # Held here (not the pause's guard): only a commit releases it; the pause's rule
+        # below still resumes a round paused as a whole, behind the guard.
+        guard_split_commit(s, pause, version)
     if committed:
         # Committed: the model is whole, so a round paused as a whole resumes.
         if servers.paused:
@@ -552,6 +565,46 @@ def recover(
         # Not committed: the pause's own rule (``gating``): a round applied in place may
         # have left the workers part-written, so it stays paused / guarded.
         after_failed_round(s.client, pause, refused_start=refused)
+
+
+def guard_split_commit(s: Session, pause: RoundPause, version: str) -> bool:
+    """A finish that failed on a sliced round's workers: they are ranks of one model and
+    commit on their own, so those that committed hold the new round beside ranks that kept
+    the old one (each of those says so: ``weightwire_round_state`` answers not whole). Where
+    the servers run the round guard it is held, then released only if every worker is whole;
+    else it stays held (requests refused, saying why) until a round commits. Returns whether
+    the guard is held now. Without the guard: an error log (the model is served as the ranks
+    hold it)."""
+    if s.slicing is None or not s.slicing.split or pause.guard:
+        return False  # not ranks of one model, or the guard's own rule (``after_failed_round``)
+    if not s.guard_installed():
+        logger.error(
+            "round %r failed at its commit on workers that each hold a slice of the model: "
+            "those that committed serve the new round beside ranks that kept the old one, and "
+            "the servers run no round guard to refuse requests meanwhile (start vLLM with "
+            "--middleware %s); send a complete round",
+            version,
+            MIDDLEWARE,
+        )
+        return False
+    try:
+        s.client.hold_round(version)  # type: ignore[attr-defined]
+    except Exception as exc:
+        logger.error("could not hold the round guard after a failed commit: %s", exc)
+        return False
+    try:
+        s.client.release_round(resume=False)  # type: ignore[attr-defined]
+    except Exception as exc:
+        s.guard_left_held = True
+        logger.error(
+            "round %r failed at its commit on workers that each hold a slice of the model, and "
+            "some hold it while others kept the previous one: the servers refuse requests that "
+            "run the model, saying why (%s), until a complete round commits",
+            version,
+            exc,
+        )
+        return True
+    return False
 
 
 def _release_whole(client: Any, pause: RoundPause) -> None:

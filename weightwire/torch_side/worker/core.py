@@ -192,6 +192,9 @@ class _ReceiverCore:
         """The landing map the join recorded (model, its tensors' keys, the record): the
         first round's, when it sends those tensors (``_round_landing``)."""
         self._told: Wants | None = None  # the wants this worker told its trainer at the join
+        self._one_rank = False
+        """This worker serves a slice of the model (told at a sliced join): one tensor-parallel
+        rank of several, whose commits together make one model's round."""
         self._sink_chooser: SinkChooser | None = None  # made by the first patch step
 
     # ---------------------------------------------------------------- session
@@ -244,10 +247,12 @@ class _ReceiverCore:
         self._joined = None
         told: dict[str, Any] = {}
         self._told = None
+        self._one_rank = False
         if getattr(info, "sliced", None):  # the trainer asks for this worker's wants
-            from weightwire.torch_side.worker.sliced import hello
+            from weightwire.torch_side.worker.sliced import hello, serves_a_slice
 
             told["hello"], self._told = hello(self.caches, self.backend)
+            self._one_rank = serves_a_slice(self._told, self.caches)
         self._link = self._connect(
             info, rank=rank, device=self.device, **self._join_options(), **told
         )
@@ -347,6 +352,21 @@ class _ReceiverCore:
             if round_.delta is not None:
                 round_.delta.drop()
             self.weights.weights_changed(f"applying the round failed: {type(exc).__name__}")
+            if not round_.wrote and self._one_rank:
+                # This rank kept the previous weights, but the model's other ranks commit on
+                # their own: those that did hold the new round, so the model is half new.
+                why = (
+                    f"applying the round failed on this tensor-parallel rank "
+                    f"({type(exc).__name__}) while the model's other ranks may have committed it"
+                )
+                self.weights.broke(self.session, why, frozenset(round_.names))
+                raise WeightReceiveError(
+                    f"{self.backend}: applying the received round failed on this rank "
+                    f"({type(exc).__name__}: {exc}); it kept the previous weights, but this worker "
+                    "serves a slice of the model and its other ranks may have committed the new "
+                    "round: the model refuses to count as whole until a complete round commits "
+                    "(send a full round again)"
+                ) from exc
             if not round_.wrote:
                 raise
             self.weights.broke(
