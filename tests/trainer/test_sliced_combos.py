@@ -480,19 +480,26 @@ def fail_commit(client: TPClient, worker: int) -> None:
     client.before_finish = arm
 
 
+@pytest.mark.parametrize("sliced", ["auto", "off"])
 @pytest.mark.parametrize("delta", [False, True], ids=["dense", "delta"])
 def test_a_commit_failing_on_one_rank_keeps_the_model_refused_until_a_whole_round(
-    delta: bool,
+    delta: bool, sliced: str
 ) -> None:
-    """A staged sliced round (no pause: ``auto`` within the budget) whose commit fails on
-    worker 1 only: worker 0 serves the new slice beside worker 1's old one, so worker 1
-    says the model is not whole (naming its ranks), the trainer holds the round guard and
-    its release is refused (requests refused, saying why); the next round commits whole on
-    both and lifts the guard. Was: each worker said whole, no guard: a half-new model
+    """A staged round (no pause: ``auto`` within the budget) whose commit fails on worker 1
+    only: worker 0 serves the new slice beside worker 1's old one, so worker 1 says the
+    model is not whole (naming its ranks), the trainer holds the round guard and its release
+    is refused (requests refused, saying why); the next round commits whole on both and
+    lifts the guard. Sliced or broadcast alike: a broadcast session's worker knows it is
+    one of the model's ranks from vLLM's parallel world (``model_ranks``, set here as the
+    plugin's engine sets it). Was: each worker said whole, no guard: a half-new model
     served."""
     client = GuardClient(TP2)
+    if sliced == "off":
+        for engine in client.engines:
+            engine._core.model_ranks = 2  # vLLM's parallel_config.world_size at TP 2
     tensors: dict[str, Any] = {}
-    with opened(client, tensors, pause_mode="auto", delta="auto" if delta else "off") as engine:
+    delta_mode = "auto" if delta else "off"
+    with opened(client, tensors, pause_mode="auto", delta=delta_mode, sliced=sliced) as engine:
         full = load(tensors, 1)
         engine.send_weights()
         assert client.calls == []  # a staged round under auto: no pause, no guard
@@ -509,10 +516,53 @@ def test_a_commit_failing_on_one_rank_keeps_the_model_refused_until_a_whole_roun
         assert client.held and client.calls == ["hold", "release refused"]
         full = load(tensors, 3)
         engine.send_weights()
-        assert client.last_update["sliced"] is True
+        assert client.last_update.get("sliced") is (True if sliced == "auto" else None)
         assert_loaded(client, full)
         assert [s["whole"] for s in state(client)] == [True, True]
         assert not client.held and client.calls[2:] == ["hold", "release"]
+
+
+def test_a_commit_failing_on_a_worker_of_its_own_model_lifts_the_guard_at_once() -> None:
+    """Workers that each serve a whole model (data-parallel replicas: a broadcast session,
+    no parallel world told): a commit failing on worker 1 leaves each one whole (worker 0 the
+    new round, worker 1 the old), so the guard the trainer holds after the failed finish is
+    released at once and nothing stays refused; a ``TPClient`` without a guard gets no log
+    over such workers."""
+    client = GuardClient(TP2)
+    tensors: dict[str, Any] = {}
+    with opened(client, tensors, pause_mode="auto", sliced="off") as engine:
+        load(tensors, 1)
+        engine.send_weights()
+        fail_commit(client, 1)
+        load(tensors, 2)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            engine.send_weights()
+        assert [s["whole"] for s in state(client)] == [True, True]
+        assert not client.held and client.calls == ["hold", "release"]
+        assert not engine.session.guard_left_held
+
+
+def test_without_a_guard_a_commit_failing_on_one_rank_is_logged(caplog) -> None:
+    """No round guard on the servers: a sliced round's commit failing on one rank raises
+    naming it, and an error log says the model's ranks hold different rounds and how to
+    have them refused (the guard's middleware)."""
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    with opened(client, tensors, pause_mode="auto") as engine:
+        load(tensors, 1)
+        engine.send_weights()
+        fail_commit(client, 1)
+        load(tensors, 2)
+        with pytest.raises(WeightwireError, match="other ranks may have committed"):
+            engine.send_weights()
+        assert "no round guard to refuse requests meanwhile (start vLLM with --middleware" in (
+            caplog.text
+        )
+        assert client.engines[1].incomplete_round is not None
+        full = load(tensors, 3)
+        engine.send_weights()
+        assert_loaded(client, full)
+        assert client.engines[1].incomplete_round is None
 
 
 # ------------------------------------------------------------------ 6. wants that do not fit

@@ -46,7 +46,13 @@ from weightwire.trainer.early import (
     starts_with_pause,
 )
 from weightwire.trainer.freshness import FinishInUpdate, StaleCacheError, finish_in_update
-from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard, release_guard
+from weightwire.trainer.gating import (
+    RoundPause,
+    after_failed_round,
+    hold_guard,
+    reference_server,
+    release_guard,
+)
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics, http_calls, http_calls_since
 from weightwire.trainer.multi_verify import verify_union
 from weightwire.trainer.session import SentKey, Session
@@ -568,16 +574,24 @@ def recover(
 
 
 def guard_split_commit(s: Session, pause: RoundPause, version: str) -> bool:
-    """A finish that failed on a sliced round's workers: they are ranks of one model and
-    commit on their own, so those that committed hold the new round beside ranks that kept
-    the old one (each of those says so: ``weightwire_round_state`` answers not whole). Where
-    the servers run the round guard it is held, then released only if every worker is whole;
+    """A finish that failed: a server's workers may be ranks of one model (tensor or
+    pipeline parallel), each committing on its own, so those that committed hold the new
+    round beside ranks that kept the old one (each of those says so: ``weightwire_round_state``
+    answers not whole). Where the servers run the round guard it is held, then released only
+    if every worker is whole (data-parallel replicas, a finish that failed on every rank);
     else it stays held (requests refused, saying why) until a round commits. Returns whether
-    the guard is held now. Without the guard: an error log (the model is served as the ranks
-    hold it)."""
-    if s.slicing is None or not s.slicing.split or pause.guard:
-        return False  # not ranks of one model, or the guard's own rule (``after_failed_round``)
-    if not s.guard_installed():
+    the guard is held now. Without the guard, a sliced session's (its workers are known to be
+    ranks of one model) logs an error: the model is served as the ranks hold it."""
+    if pause.guard or s.backend.caps.stock_receiver:
+        # held for the whole round: its own rule (``after_failed_round``); a stock receiver
+        # cannot tell the guard whether its weights are whole
+        return False
+    split = s.slicing is not None and s.slicing.split
+    if s.guard is None and not split and reference_server(s.client):
+        s.guard = False  # it refuses generation itself while a replica's model is incomplete
+    if not (s.caps.round_guard and s.guard_installed()):
+        if not split:
+            return False
         logger.error(
             "round %r failed at its commit on workers that each hold a slice of the model: "
             "those that committed serve the new round beside ranks that kept the old one, and "
@@ -597,8 +611,8 @@ def guard_split_commit(s: Session, pause: RoundPause, version: str) -> bool:
     except Exception as exc:
         s.guard_left_held = True
         logger.error(
-            "round %r failed at its commit on workers that each hold a slice of the model, and "
-            "some hold it while others kept the previous one: the servers refuse requests that "
+            "round %r failed at its commit, and some of a model's ranks hold it while others "
+            "kept the previous one: the servers refuse requests that "
             "run the model, saying why (%s), until a complete round commits",
             version,
             exc,

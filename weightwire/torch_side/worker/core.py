@@ -195,6 +195,9 @@ class _ReceiverCore:
         self._one_rank = False
         """This worker serves a slice of the model (told at a sliced join): one tensor-parallel
         rank of several, whose commits together make one model's round."""
+        self.model_ranks = 1
+        """The ranks that serve this model together, this one included (set by vLLM's
+        engine: its tensor x pipeline parallel world); more than one: as ``_one_rank``."""
         self._sink_chooser: SinkChooser | None = None  # made by the first patch step
 
     # ---------------------------------------------------------------- session
@@ -352,18 +355,18 @@ class _ReceiverCore:
             if round_.delta is not None:
                 round_.delta.drop()
             self.weights.weights_changed(f"applying the round failed: {type(exc).__name__}")
-            if not round_.wrote and self._one_rank:
+            if not round_.wrote and (self._one_rank or self.model_ranks > 1):
                 # This rank kept the previous weights, but the model's other ranks commit on
                 # their own: those that did hold the new round, so the model is half new.
                 why = (
-                    f"applying the round failed on this tensor-parallel rank "
+                    f"applying the round failed on this rank of the model "
                     f"({type(exc).__name__}) while the model's other ranks may have committed it"
                 )
                 self.weights.broke(self.session, why, frozenset(round_.names))
                 raise WeightReceiveError(
                     f"{self.backend}: applying the received round failed on this rank "
                     f"({type(exc).__name__}: {exc}); it kept the previous weights, but this worker "
-                    "serves a slice of the model and its other ranks may have committed the new "
+                    "serves part of the model and its other ranks may have committed the new "
                     "round: the model refuses to count as whole until a complete round commits "
                     "(send a full round again)"
                 ) from exc
