@@ -240,6 +240,9 @@ def lead_round(
       ``finish_weight_update``): the round failed after its bytes could land; the link is
       aborted and the engine refuses rounds until a new init, and the server refuses
       generation on that model until a whole round commits (the round stays paused);
+    - a finish that failed on some workers (separate calls): a model's ranks that committed
+      hold the round beside ranks that did not, so the servers' round guard is held and
+      released only if every worker says whole (``guard_split_commit``);
     - the trainer's own failure with the request out (its source mid-round, a kill): the
       link closes, so the workers fail their update and the server's round fails, nothing
       half-new served; the engine needs a new init;
