@@ -20,6 +20,7 @@ from tests.trainer._sliced_session import (
     as_source,
     assert_kept,
     assert_loaded,
+    changed,
     committed_round,
     cut_link_at,
     fails_keeping,
@@ -144,6 +145,48 @@ def test_sleep_wake_and_reset_between_sliced_rounds(budget: int, mapped: bool) -
             engine.send_weights()
             assert client.last_update["sliced"] is True
             assert_loaded(client, full)
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["dense", "delta"])
+@pytest.mark.parametrize("budget", [1 << 30, 0], ids=["staged", "in-place"])
+@pytest.mark.parametrize("change", ["sleep-2", "reset"])
+def test_a_sleep_or_reset_between_a_sliced_rounds_update_and_finish_fails_the_round(
+    change: str, budget: int, delta: bool
+) -> None:
+    """A level-2 sleep (and wake) or a reset of the weights on both workers after the
+    round's update and before its finish: the round fails at its finish, naming the change,
+    and applies nothing more (what it held was for the weights that went: a delta round's
+    patches over the zeroed weights, a staged round's pieces through a landing map of the
+    freed parameters); a round written in place leaves the model incomplete; after the
+    re-init the next round lands whole. Was: it committed, the workers served wrong weights
+    (zeros and patches; the landing map's old storage) and adopted its token as a base."""
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    kw: dict[str, Any] = {"stage_budget_bytes": budget, "delta": "auto" if delta else "off"}
+    engine = torch_engine(client, tensors, **kw)
+    try:
+        full = load(tensors, 1)
+        engine.send_weights()
+        put(tensors, changed(full, 2))
+
+        def meanwhile() -> None:
+            client.before_finish = None
+            sleep_and_wake(client, 2) if change == "sleep-2" else reset(client)
+
+        client.before_finish = meanwhile
+        what = "sleep level 2 discards the weights" if change == "sleep-2" else "reset the weights"
+        with pytest.raises(WeightwireError, match=rf"aborted before its finish .*open: {what}"):
+            engine.send_weights()
+        assert [s["whole"] for s in state(client)] == [budget > 0] * 2
+        engine = again(engine, client, tensors, **kw)
+        full = load(tensors, 3)
+        engine.send_weights()
+        assert client.last_update["sliced"] is True and "patches" not in client.last_update
+        assert_loaded(client, full)
+        assert [s["whole"] for s in state(client)] == [True, True]
+    finally:
+        engine.shutdown()
+        client.close()
 
 
 # ------------------------------------------------------------------ 2. overlapped rounds

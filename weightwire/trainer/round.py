@@ -597,7 +597,7 @@ def guard_split_commit(s: Session, pause: RoundPause, version: str) -> bool:
             return False
         logger.error(
             "round %r failed at its commit on workers that each hold a slice of the model: "
-            "those that committed serve the new round beside ranks that kept the old one, and "
+            "any that committed serve the new round beside ranks that did not, and "
             "the servers run no round guard to refuse requests meanwhile (start vLLM with "
             "--middleware %s); send a complete round",
             version,

@@ -341,7 +341,22 @@ class _ReceiverCore:
                     "call init_weight_transfer_engine again"
                 ) from exc
 
+    def weights_changed(self, why: str) -> None:
+        """The model's weights changed outside a round (a sleep that discarded them, a
+        reset): the delta base and the host copies die with them (``WeightState``), and an
+        open round fails now: what it holds (pieces, patches, the landing map's parameters)
+        was for the weights that went, so its commit would land on the wrong ones."""
+        if self._active:
+            self._fail(WeightReceiveError(why), f"while the round was open: {why}")
+        self.weights.weights_changed(why, copies=True)
+
     def finish(self) -> None:
+        if not self._active and self._broken is not None and self._link is None:
+            raise WeightReceiveError(
+                f"{self.backend}: the round was aborted before its finish ({self._broken}); "
+                "nothing more of it applies: call init_weight_transfer_engine again and send "
+                "a complete round"
+            )
         if not self._active:
             raise RuntimeError(
                 f"{self.backend}: finish_weight_update called without start_weight_update"
