@@ -195,6 +195,8 @@ class _ReceiverCore:
         self._one_rank = False
         """This worker serves a slice of the model (told at a sliced join): one tensor-parallel
         rank of several, whose commits together make one model's round."""
+        self._changed_in_round: str | None = None
+        """Why the weights changed while a round was open (it failed then): its finish says so."""
         self.model_ranks = 1
         """The ranks that serve this model together, this one included (set by vLLM's
         engine: its tensor x pipeline parallel world); more than one: as ``_one_rank``."""
@@ -320,6 +322,7 @@ class _ReceiverCore:
         if self._link is None:
             raise not_ready_error(self.backend, self._broken)
         self._touched = time.monotonic()
+        self._changed_in_round = None
         self._link.start_round()
         model, model_config = self._target()
         target = RoundTarget(
@@ -348,14 +351,16 @@ class _ReceiverCore:
         was for the weights that went, so its commit would land on the wrong ones."""
         if self._active:
             self._fail(WeightReceiveError(why), f"while the round was open: {why}")
+            self._changed_in_round = why
         self.weights.weights_changed(why, copies=True)
 
     def finish(self) -> None:
-        if not self._active and self._broken is not None and self._link is None:
+        changed, self._changed_in_round = self._changed_in_round, None
+        if not self._active and changed is not None:
             raise WeightReceiveError(
-                f"{self.backend}: the round was aborted before its finish ({self._broken}); "
-                "nothing more of it applies: call init_weight_transfer_engine again and send "
-                "a complete round"
+                f"{self.backend}: the round was aborted before its finish (the weights "
+                f"changed while it was open: {changed}); nothing more of it applies: call "
+                "init_weight_transfer_engine again and send a complete round"
             )
         if not self._active:
             raise RuntimeError(
