@@ -20,6 +20,7 @@ from tests.trainer._sliced_session import (
     as_source,
     assert_kept,
     assert_loaded,
+    changed,
     committed_round,
     cut_link_at,
     fails_keeping,
@@ -144,6 +145,49 @@ def test_sleep_wake_and_reset_between_sliced_rounds(budget: int, mapped: bool) -
             engine.send_weights()
             assert client.last_update["sliced"] is True
             assert_loaded(client, full)
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["dense", "delta"])
+@pytest.mark.parametrize("budget", [1 << 30, 0], ids=["staged", "in-place"])
+@pytest.mark.parametrize("change", ["sleep-2", "reset"])
+def test_a_sleep_or_reset_between_a_sliced_rounds_update_and_finish_fails_the_round(
+    change: str, budget: int, delta: bool
+) -> None:
+    """A level-2 sleep (and wake) or a reset of the weights on both workers after the
+    round's update and before its finish: the round fails at its finish, naming the change,
+    and applies nothing more (what it held was for the weights that went: a delta round's
+    patches over the zeroed weights, a staged round's pieces through a landing map of the
+    freed parameters); a round written in place leaves the model incomplete; after the
+    re-init the next round lands whole. Was: it committed, the workers served wrong weights
+    (zeros and patches; the landing map's old storage) and adopted its token as a base."""
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    kw: dict[str, Any] = {"stage_budget_bytes": budget, "delta": "auto" if delta else "off"}
+    engine = torch_engine(client, tensors, **kw)
+    try:
+        full = load(tensors, 1)
+        engine.send_weights()
+        put(tensors, changed(full, 2))
+
+        def meanwhile() -> None:
+            client.before_finish = None
+            sleep_and_wake(client, 2) if change == "sleep-2" else reset(client)
+
+        client.before_finish = meanwhile
+        what = "sleep level 2 discards the weights" if change == "sleep-2" else "reset the weights"
+        said = rf"aborted before its finish \(the weights changed while it was open: {what}\)"
+        with pytest.raises(WeightwireError, match=said):
+            engine.send_weights()
+        assert [s["whole"] for s in state(client)] == [budget > 0] * 2
+        engine = again(engine, client, tensors, **kw)
+        full = load(tensors, 3)
+        engine.send_weights()
+        assert client.last_update["sliced"] is True and "patches" not in client.last_update
+        assert_loaded(client, full)
+        assert [s["whole"] for s in state(client)] == [True, True]
+    finally:
+        engine.shutdown()
+        client.close()
 
 
 # ------------------------------------------------------------------ 2. overlapped rounds
@@ -464,6 +508,105 @@ def test_a_worker_link_lost_after_its_pieces_commits_the_round_and_stops_the_nex
     finally:
         engine.shutdown()
         client.close()
+
+
+def fail_commit(client: TPClient, worker: int) -> None:
+    """Worker ``worker``'s next commit fails before it writes a tensor (an out-of-memory at
+    its load), while the others commit theirs."""
+
+    def refuse() -> None:
+        raise RuntimeError(f"out of memory loading the round on worker {worker}")
+
+    def arm() -> None:
+        client.engines[worker]._core._round.commit = refuse
+        client.before_finish = None
+
+    client.before_finish = arm
+
+
+@pytest.mark.parametrize("sliced", ["auto", "off"])
+@pytest.mark.parametrize("delta", [False, True], ids=["dense", "delta"])
+def test_a_commit_failing_on_one_rank_keeps_the_model_refused_until_a_whole_round(
+    delta: bool, sliced: str
+) -> None:
+    """A staged round (no pause: ``auto`` within the budget) whose commit fails on worker 1
+    only: worker 0 serves the new slice beside worker 1's old one, so worker 1 says the
+    model is not whole (naming its ranks), the trainer holds the round guard and its release
+    is refused (requests refused, saying why); the next round commits whole on both and
+    lifts the guard. Sliced or broadcast alike: a broadcast session's worker knows it is
+    one of the model's ranks from vLLM's parallel world (``model_ranks``, set here as the
+    plugin's engine sets it). Was: each worker said whole, no guard: a half-new model
+    served."""
+    client = GuardClient(TP2)
+    if sliced == "off":
+        for engine in client.engines:
+            engine._core.model_ranks = 2  # vLLM's parallel_config.world_size at TP 2
+    tensors: dict[str, Any] = {}
+    delta_mode = "auto" if delta else "off"
+    with opened(client, tensors, pause_mode="auto", delta=delta_mode, sliced=sliced) as engine:
+        full = load(tensors, 1)
+        engine.send_weights()
+        assert client.calls == []  # a staged round under auto: no pause, no guard
+        fail_commit(client, 1)
+        new = load(tensors, 2)
+        with pytest.raises(WeightwireError, match="other ranks may have committed"):
+            engine.send_weights()
+        half = params(client)
+        assert all(torch.equal(half[0][n], t) for n, t in expected(TP2, new, 0).items())
+        assert all(torch.equal(half[1][n], t) for n, t in expected(TP2, full, 1).items())
+        whole = state(client)
+        assert whole[0]["whole"] is True and whole[1]["whole"] is False
+        assert "other ranks may have committed" in whole[1]["reason"]
+        assert client.held and client.calls == ["hold", "release refused"]
+        full = load(tensors, 3)
+        engine.send_weights()
+        assert client.last_update.get("sliced") is (True if sliced == "auto" else None)
+        assert_loaded(client, full)
+        assert [s["whole"] for s in state(client)] == [True, True]
+        assert not client.held and client.calls[2:] == ["hold", "release"]
+
+
+def test_a_commit_failing_on_a_worker_of_its_own_model_lifts_the_guard_at_once() -> None:
+    """Workers that each serve a whole model (data-parallel replicas: a broadcast session,
+    no parallel world told): a commit failing on worker 1 leaves each one whole (worker 0 the
+    new round, worker 1 the old), so the guard the trainer holds after the failed finish is
+    released at once and nothing stays refused; a ``TPClient`` without a guard gets no log
+    over such workers."""
+    client = GuardClient(TP2)
+    tensors: dict[str, Any] = {}
+    with opened(client, tensors, pause_mode="auto", sliced="off") as engine:
+        load(tensors, 1)
+        engine.send_weights()
+        fail_commit(client, 1)
+        load(tensors, 2)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            engine.send_weights()
+        assert [s["whole"] for s in state(client)] == [True, True]
+        assert not client.held and client.calls == ["hold", "release"]
+        assert not engine.session.guard_left_held
+
+
+def test_without_a_guard_a_commit_failing_on_one_rank_is_logged(caplog) -> None:
+    """No round guard on the servers: a sliced round's commit failing on one rank raises
+    naming it, and an error log says the model's ranks hold different rounds and how to
+    have them refused (the guard's middleware)."""
+    client = TPClient(TP2)
+    tensors: dict[str, Any] = {}
+    with opened(client, tensors, pause_mode="auto") as engine:
+        load(tensors, 1)
+        engine.send_weights()
+        fail_commit(client, 1)
+        load(tensors, 2)
+        with pytest.raises(WeightwireError, match="other ranks may have committed"):
+            engine.send_weights()
+        assert "no round guard to refuse requests meanwhile (start vLLM with --middleware" in (
+            caplog.text
+        )
+        assert client.engines[1].incomplete_round is not None
+        full = load(tensors, 3)
+        engine.send_weights()
+        assert_loaded(client, full)
+        assert client.engines[1].incomplete_round is None
 
 
 # ------------------------------------------------------------------ 6. wants that do not fit

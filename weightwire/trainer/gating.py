@@ -219,7 +219,7 @@ def guard_installed(client: Any, caps: ClientCaps) -> bool:
             logger.warning("could not ask the servers for the round guard (%s)", exc)
     if states and all(isinstance(s, dict) and s.get("covers") is True for s in states):
         return True
-    if _reference_server(client):
+    if reference_server(client):
         return False  # it refuses generation itself, with the reason, while its model is incomplete
     shared = [i for i, s in enumerate(states) if isinstance(s, dict) and not s.get("covers")]
     if not caps.round_guard:
@@ -244,7 +244,7 @@ def guard_installed(client: Any, caps: ClientCaps) -> bool:
     return False
 
 
-def _reference_server(client: object) -> bool:
+def reference_server(client: object) -> bool:
     """weightwire's own reference server (its version's local segment says so)."""
     try:
         local = parse_version(client.version()).local  # type: ignore[attr-defined]

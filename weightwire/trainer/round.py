@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from weightwire.backends.base import RoundSender, Sent
@@ -46,12 +46,19 @@ from weightwire.trainer.early import (
     starts_with_pause,
 )
 from weightwire.trainer.freshness import FinishInUpdate, StaleCacheError, finish_in_update
-from weightwire.trainer.gating import RoundPause, after_failed_round, hold_guard, release_guard
+from weightwire.trainer.gating import (
+    RoundPause,
+    after_failed_round,
+    hold_guard,
+    reference_server,
+    release_guard,
+)
 from weightwire.trainer.metrics import PhaseClock, RoundMetrics, http_calls, http_calls_since
 from weightwire.trainer.multi_verify import verify_union
 from weightwire.trainer.session import SentKey, Session
 from weightwire.trainer.transfer import Transfer, best_effort_resume, start_opened_nothing
 from weightwire.trainer.verify import VerifyError, VerifyReport
+from weightwire.vllm_guard import MIDDLEWARE
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +198,8 @@ class _Servers:
     one_request: bool = False
     """The round's start (with its pause) rides on its update, which carries its finish:
     one request (``early.one_request``)."""
+    finishing: bool = False
+    """The finish went out: a worker may have committed the round while another failed."""
 
 
 def was_committed(exc: BaseException) -> bool:
@@ -231,6 +240,9 @@ def lead_round(
       ``finish_weight_update``): the round failed after its bytes could land; the link is
       aborted and the engine refuses rounds until a new init, and the server refuses
       generation on that model until a whole round commits (the round stays paused);
+    - a finish that failed on some workers (separate calls): a model's ranks that committed
+      hold the round beside ranks that did not, so the servers' round guard is held and
+      released only if every worker says whole (``guard_split_commit``);
     - the trainer's own failure with the request out (its source mid-round, a kill): the
       link closes, so the workers fail their update and the server's round fails, nothing
       half-new served; the engine needs a new init;
@@ -242,6 +254,8 @@ def lead_round(
     pause = r.pause
     if pause is None:
         pause = s.round_pause(r.metas, keep=not r.delta)
+    if s.guard_left_held and not pause.guard:
+        pause = replace(pause, guard=True)  # its commit lifts the guard a failed one left
     servers = _Servers()
     # the finish in the update POST where the server offers it (one server, one update)
     finish = finish_in_update(
@@ -276,7 +290,7 @@ def lead_round(
         report = verify(s, r, own, clock)
     except BaseException as exc:
         s.failed_first.failed(exc)  # before recover's calls, which a shutdown may meet
-        recover(s, pause, early, servers, exc, end)
+        recover(s, pause, early, servers, exc, end, version=r.version)
         raise
     if end is not None:
         end.committed(r.version)
@@ -453,6 +467,7 @@ def commit(
         if r.before_commit is not None:  # an overlapped round that shutdown stopped
             r.before_commit()
         try:
+            servers.finishing = True
             if finish is not None and finish.posted:
                 resumed = finish.committed(recorded)
             else:
@@ -482,6 +497,8 @@ def commit(
                 )
             raise
         servers.held = release_guard(s.client, pause)
+        if pause.guard:
+            s.guard_left_held = False
 
 
 def _record(s: Session, r: Round) -> None:
@@ -513,6 +530,7 @@ def recover(
     servers: _Servers,
     exc: BaseException,
     end: RoundEnd | None,
+    version: str = "",
 ) -> None:
     """A failed round: undo what it did to the servers, as far as is safe; the caller raises."""
     committed = was_committed(exc) or servers.committed
@@ -542,6 +560,10 @@ def recover(
             s.broken = exc
     if end is not None:
         end.failed(exc, committed=committed)
+    if not committed and servers.finishing and not servers.held:
+        # Held here (not the pause's guard): only a commit releases it; the pause's rule
+        # below still resumes a round paused as a whole, behind the guard.
+        guard_split_commit(s, pause, version)
     if committed:
         # Committed: the model is whole, so a round paused as a whole resumes.
         if servers.paused:
@@ -552,6 +574,54 @@ def recover(
         # Not committed: the pause's own rule (``gating``): a round applied in place may
         # have left the workers part-written, so it stays paused / guarded.
         after_failed_round(s.client, pause, refused_start=refused)
+
+
+def guard_split_commit(s: Session, pause: RoundPause, version: str) -> bool:
+    """A finish that failed: a server's workers may be ranks of one model (tensor or
+    pipeline parallel), each committing on its own, so those that committed hold the new
+    round beside ranks that kept the old one (each of those says so: ``weightwire_round_state``
+    answers not whole). Where the servers run the round guard it is held, then released only
+    if every worker is whole (data-parallel replicas, a finish that failed on every rank);
+    else it stays held (requests refused, saying why) until a round commits. Returns whether
+    the guard is held now. Without the guard, a sliced session's (its workers are known to be
+    ranks of one model) logs an error: the model is served as the ranks hold it."""
+    if pause.guard or s.backend.caps.stock_receiver:
+        # held for the whole round: its own rule (``after_failed_round``); a stock receiver
+        # cannot tell the guard whether its weights are whole
+        return False
+    split = s.slicing is not None and s.slicing.split
+    if s.guard is None and not split and reference_server(s.client):
+        s.guard = False  # it refuses generation itself while a replica's model is incomplete
+    if not (s.caps.round_guard and s.guard_installed()):
+        if not split:
+            return False
+        logger.error(
+            "round %r failed at its commit on workers that each hold a slice of the model: "
+            "any that committed serve the new round beside ranks that did not, and "
+            "the servers run no round guard to refuse requests meanwhile (start vLLM with "
+            "--middleware %s); send a complete round",
+            version,
+            MIDDLEWARE,
+        )
+        return False
+    try:
+        s.client.hold_round(version)  # type: ignore[attr-defined]
+    except Exception as exc:
+        logger.error("could not hold the round guard after a failed commit: %s", exc)
+        return False
+    try:
+        s.client.release_round(resume=False)  # type: ignore[attr-defined]
+    except Exception as exc:
+        s.guard_left_held = True
+        logger.error(
+            "round %r failed at its commit, and some of a model's ranks hold it while others "
+            "kept the previous one: the servers refuse requests that "
+            "run the model, saying why (%s), until a complete round commits",
+            version,
+            exc,
+        )
+        return True
+    return False
 
 
 def _release_whole(client: Any, pause: RoundPause) -> None:

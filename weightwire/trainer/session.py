@@ -124,6 +124,10 @@ class Session:
     guard: bool | None = None
     """Whether the servers run the round guard: asked at the first round applied in place,
     then known (a server's middleware changes only with a restart, like its features)."""
+    guard_left_held: bool = False
+    """A failed commit left the round guard held over workers that hold different rounds
+    (``round.guard_split_commit``): the next round holds and releases it as a round applied
+    in place does, so its commit lifts it."""
     slicing: Slicing | None = None
     """Sliced rounds' state (``trainer.sliced``): the workers' hellos, their parsed wants and
     the plan; ``None`` unless the backend asked the workers for their wants."""

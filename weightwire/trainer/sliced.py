@@ -165,6 +165,9 @@ class Slicing:
         a new list each round, answered without parsing the wants again nor caching them
         per round (#49: per-round additions to long-lived caches feed full collections)."""
         self._told: set[str] = set()
+        self.split = False
+        """A round went sliced: the workers are ranks of one model, each holding part of
+        it, and their commits together make the model's round (``round.guard_split_commit``)."""
         self.agree: Callable[[SlicePlan | None, str | None], None] | None = None
         """Several processes: every rank checks it built the same plan, or learns which rank
         could not (before any call)."""
@@ -200,6 +203,7 @@ class Slicing:
         less = wants_less(self.wants(metas), metas)
         self._sliced = (metas, less)
         if less:
+            self.split = True
             return True
         self._whole.update(metas)
         self.note_once("every worker wants every tensor whole:")

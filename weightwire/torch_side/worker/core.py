@@ -192,6 +192,14 @@ class _ReceiverCore:
         """The landing map the join recorded (model, its tensors' keys, the record): the
         first round's, when it sends those tensors (``_round_landing``)."""
         self._told: Wants | None = None  # the wants this worker told its trainer at the join
+        self._one_rank = False
+        """This worker serves a slice of the model (told at a sliced join): one tensor-parallel
+        rank of several, whose commits together make one model's round."""
+        self._changed_in_round: str | None = None
+        """Why the weights changed while a round was open (it failed then): its finish says so."""
+        self.model_ranks = 1
+        """The ranks that serve this model together, this one included (set by vLLM's
+        engine: its tensor x pipeline parallel world); more than one: as ``_one_rank``."""
         self._sink_chooser: SinkChooser | None = None  # made by the first patch step
 
     # ---------------------------------------------------------------- session
@@ -244,10 +252,12 @@ class _ReceiverCore:
         self._joined = None
         told: dict[str, Any] = {}
         self._told = None
+        self._one_rank = False
         if getattr(info, "sliced", None):  # the trainer asks for this worker's wants
-            from weightwire.torch_side.worker.sliced import hello
+            from weightwire.torch_side.worker.sliced import hello, serves_a_slice
 
             told["hello"], self._told = hello(self.caches, self.backend)
+            self._one_rank = serves_a_slice(self._told, self.caches)
         self._link = self._connect(
             info, rank=rank, device=self.device, **self._join_options(), **told
         )
@@ -312,6 +322,7 @@ class _ReceiverCore:
         if self._link is None:
             raise not_ready_error(self.backend, self._broken)
         self._touched = time.monotonic()
+        self._changed_in_round = None
         self._link.start_round()
         model, model_config = self._target()
         target = RoundTarget(
@@ -333,7 +344,24 @@ class _ReceiverCore:
                     "call init_weight_transfer_engine again"
                 ) from exc
 
+    def weights_changed(self, why: str) -> None:
+        """The model's weights changed outside a round (a sleep that discarded them, a
+        reset): the delta base and the host copies die with them (``WeightState``), and an
+        open round fails now: what it holds (pieces, patches, the landing map's parameters)
+        was for the weights that went, so its commit would land on the wrong ones."""
+        if self._active:
+            self._fail(WeightReceiveError(why), f"while the round was open: {why}")
+            self._changed_in_round = why
+        self.weights.weights_changed(why, copies=True)
+
     def finish(self) -> None:
+        changed, self._changed_in_round = self._changed_in_round, None
+        if not self._active and changed is not None:
+            raise WeightReceiveError(
+                f"{self.backend}: the round was aborted before its finish (the weights "
+                f"changed while it was open: {changed}); nothing more of it applies: call "
+                "init_weight_transfer_engine again and send a complete round"
+            )
         if not self._active:
             raise RuntimeError(
                 f"{self.backend}: finish_weight_update called without start_weight_update"
@@ -347,6 +375,21 @@ class _ReceiverCore:
             if round_.delta is not None:
                 round_.delta.drop()
             self.weights.weights_changed(f"applying the round failed: {type(exc).__name__}")
+            if not round_.wrote and (self._one_rank or self.model_ranks > 1):
+                # This rank kept the previous weights, but the model's other ranks commit on
+                # their own: those that did hold the new round, so the model is half new.
+                why = (
+                    f"applying the round failed on this rank of the model "
+                    f"({type(exc).__name__}) while the model's other ranks may have committed it"
+                )
+                self.weights.broke(self.session, why, frozenset(round_.names))
+                raise WeightReceiveError(
+                    f"{self.backend}: applying the received round failed on this rank "
+                    f"({type(exc).__name__}: {exc}); it kept the previous weights, but this worker "
+                    "serves part of the model and its other ranks may have committed the new "
+                    "round: the model refuses to count as whole until a complete round commits "
+                    "(send a full round again)"
+                ) from exc
             if not round_.wrote:
                 raise
             self.weights.broke(

@@ -93,8 +93,9 @@ class EngineFacade:
 
     def weights_changed(self, why: str) -> None:
         """The model's weights changed outside a round (a sleep that discarded them, a
-        reset): the delta base and the host copies die with them (``WeightState``)."""
-        self._core.weights.weights_changed(why, copies=True)
+        reset): the delta base and the host copies die with them (``WeightState``), and a
+        round open meanwhile fails (``_ReceiverCore.weights_changed``)."""
+        self._core.weights_changed(why)
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
         if not isinstance(update_info, UpdateInfo):

@@ -79,6 +79,19 @@ def hello(caches: TargetCaches, backend: str) -> tuple[bytes, Wants | None]:
     return json.dumps(told, separators=(",", ":")).encode(), wants
 
 
+def serves_a_slice(wants: Wants | None, caches: TargetCaches) -> bool:
+    """The wants this worker told leave out part of some tensor: it is one tensor-parallel
+    rank of the model (its commit alone is not the model's)."""
+    spec = caches.model_spec()
+    if wants is None or spec is None:
+        return False
+    return any(
+        wants.regions.get(name, (Box.whole(t.shape),)) != (Box.whole(t.shape),)
+        for name, t in spec.tensors.items()
+        if int(torch.Size(t.shape).numel())
+    )
+
+
 def spec_metas(spec: ModelSpec) -> list[ParamMeta]:
     """The served checkpoint's tensors (what the wants and the landing map are of)."""
     return [ParamMeta(n, t.dtype, t.shape) for n, t in spec.tensors.items()]

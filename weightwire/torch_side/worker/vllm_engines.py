@@ -293,6 +293,8 @@ class _VllmEngine(EngineFacade, WeightTransferEngine):
             adapters=self._adapter_host,
             map_recorder=record_loader_map,
         )
+        # vLLM's world of one engine (TP x PP): its ranks' commits together make the model's.
+        self._core.model_ranks = int(getattr(self.parallel_config, "world_size", 1) or 1)
         if getattr(vllm_config, "lora_config", None) is not None:
             # Adapter rounds: this worker's LoRA loading learns to serve a replaced adapter
             # from memory. vLLM makes this engine in load_model, before any adapter loads.
