@@ -169,6 +169,40 @@ def test_round_lease_aborts_an_idle_round_and_weight_calls_rearm_it() -> None:
     assert state.pool.calls == ["start", "update", "abort"]  # type: ignore[attr-defined]
 
 
+class _PartlyWritten:
+    """A replica whose model holds part of the aborted round (it was applied in place)."""
+
+    index = 0
+
+    async def call(self, op: str, args: Any = None, *, timeout: float) -> Any:
+        assert op == "weights"
+        return {"round_incomplete": True}
+
+
+def test_a_lease_that_aborts_a_round_applied_in_place_says_which_replicas_hold_part() -> None:
+    """The lease aborts a round whose replica holds part of it: the session's error names that
+    replica and that it refuses generation, never "still served" (the round was written in
+    place: the previous weights are not whole there)."""
+    pool = RecordingPool()
+    pool.replicas = [_PartlyWritten()]
+    state = ServerState(pool=pool, options=ServerOptions(lease_s=0.2))  # type: ignore[arg-type]
+    state.session.initialized(object())
+    state.session.weight_version = "v1"
+    app = create_app(state)
+
+    async def scenario() -> None:
+        async with _client(app) as http:
+            assert (await http.post("/start_weight_update")).status_code == 200
+            while state.session.phase is Phase.ROUND:  # the trainer is gone
+                await asyncio.sleep(0.02)
+
+    asyncio.run(scenario())
+    error = state.session.last_error or ""
+    assert "round lease expired" in error and "still served" not in error, error
+    assert "replica(s) [0] hold part of this round" in error, error
+    assert "weight_version 'v1' is kept" in error, error
+
+
 def test_a_stale_session_is_refused_before_any_worker_is_touched() -> None:
     from weightwire.shared.info import encode_secret
     from weightwire.shared.routes import SESSION_HEADER

@@ -85,20 +85,28 @@ def arm_lease(state: ServerState) -> None:
             or session.busy is not None
         )  # the round moved on (or an operation now decides its fate)
 
-    async def abort(reason: str) -> None:
+    async def abort(why: str) -> None:
         async with session.operation("round lease"):
             await pool.abort_all()
-            session.failed(
-                reason
-            )  # logs the round's end; after the await: state and busy change together
+            partial = await _holding_part(state)
+            # A round applied in place that was aborted left part of it in those replicas'
+            # models: they refuse generation, so "still served" would be untrue there.
+            kept = (
+                f"weight_version {session.weight_version!r} is kept, but replica(s) {partial} "
+                "hold part of this round (it was applied in place): they refuse generation "
+                "until a whole round commits (/weight_info says)"
+                if partial
+                else f"weight_version {session.weight_version!r} is still served"
+            )
+            # logs the round's end; after the awaits: state and busy change together
+            session.failed(f"{why}; {kept}")
 
     async def expire() -> None:
         if moved_on():
             return
         await abort(
             f"round lease expired: the trainer sent no weight call for {seconds:g} s "
-            "during its round; the round was aborted and weight_version "
-            f"{session.weight_version!r} is still served"
+            "during its round; the round was aborted"
         )
 
     async def look() -> None:
@@ -113,10 +121,7 @@ def arm_lease(state: ServerState) -> None:
         if not all(reasons):
             state.lease.arm(seconds - look_s, expire)
             return
-        await abort(
-            f"round aborted: {reasons[0]} (every replica); weight_version "
-            f"{session.weight_version!r} is still served"
-        )
+        await abort(f"round aborted: {reasons[0]} (every replica)")
 
     if look_s < seconds:
         state.lease.arm(look_s, look)
