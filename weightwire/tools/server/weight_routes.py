@@ -45,7 +45,6 @@ from weightwire.tools.server.after_commit import (
 )
 from weightwire.tools.server.call_clock import CallClock
 from weightwire.tools.server.control_routes import pause_generation
-from weightwire.tools.server.replica import ReplicaError
 from weightwire.tools.server.session import Phase, SessionError
 from weightwire.tools.server.state import ServerState
 from weightwire.tools.server.web import (
@@ -56,7 +55,6 @@ from weightwire.tools.server.web import (
     read_object,
 )
 from weightwire.tools.server.weight_rules import (
-    WEIGHTS_STATE_S,
     NothingToReuse,
     arm_lease,
     check_reuse,
@@ -70,6 +68,7 @@ from weightwire.tools.server.weight_rules import (
     require_owner,
     route_path,
     version_field,
+    weights_state,
 )
 
 INLINE_UPDATE_BYTES = 64 << 10
@@ -527,7 +526,7 @@ def _check_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get(route_path("weight_info"))
     async def weight_info() -> dict[str, Any]:
-        per = await _weights_state(state)
+        per = await weights_state(state)
         incomplete = [r for r in per if r.get("round_incomplete")]
         return {
             "weight_version": session.weight_version,
@@ -542,19 +541,6 @@ def _check_routes(app: FastAPI, state: ServerState) -> None:
     async def weight_checker(request: Request) -> dict[str, Any]:
         body = await read_object(request, allowed=("action", "baseline"), required=("action",))
         return await _check_weights(state, body["action"], body.get("baseline"))
-
-
-async def _weights_state(state: ServerState) -> list[dict[str, Any]]:
-    """Each replica's ``weights`` answer (answered by its reader thread at once, even mid-round);
-    a replica that cannot answer is reported, never a reason to fail the route."""
-
-    async def one(replica: Any) -> dict[str, Any]:
-        try:
-            return dict(await replica.call("weights", timeout=WEIGHTS_STATE_S))
-        except ReplicaError as exc:
-            return {"round_incomplete": None, "reason": str(exc)}
-
-    return list(await asyncio.gather(*(one(r) for r in state.pool.replicas)))
 
 
 async def _check_weights(state: ServerState, action: Any, baseline: Any) -> dict[str, Any]:

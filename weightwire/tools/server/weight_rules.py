@@ -198,20 +198,32 @@ WEIGHTS_STATE_S = 5.0
 """A replica answers whether its model holds part of a round from its reader thread, at once."""
 
 
+async def weights_state(state: ServerState) -> list[dict[str, Any]]:
+    """Each replica's ``weights`` answer (answered by its reader thread at once, even mid-round);
+    a replica that cannot answer is reported, never a reason to fail the caller."""
+
+    async def one(replica: Any) -> dict[str, Any]:
+        try:
+            answer = await replica.call("weights", timeout=WEIGHTS_STATE_S)
+        except ReplicaError as exc:
+            return {"round_incomplete": None, "reason": str(exc)}
+        if not isinstance(answer, dict):  # a receiver that keeps no such state (a bench shim)
+            return {"round_incomplete": None, "reason": f"no weights state: {answer!r}"}
+        return answer
+
+    return list(await asyncio.gather(*(one(r) for r in state.pool.replicas)))
+
+
 async def _holding_part(state: ServerState) -> list[int]:
     """The replicas whose model now holds part of a round (one applied in place that
     failed): they refuse generation until a whole round commits. A replica that cannot
     answer (dead) is not listed: the failure names it already."""
-
-    async def one(replica: Any) -> bool:
-        try:
-            reply = await replica.call("weights", timeout=WEIGHTS_STATE_S)
-        except ReplicaError:
-            return False
-        return isinstance(reply, dict) and reply.get("round_incomplete") is True
-
-    held = await asyncio.gather(*(one(r) for r in state.pool.replicas))
-    return [r.index for r, h in zip(state.pool.replicas, held, strict=True) if h]
+    per = await weights_state(state)
+    return [
+        r.index
+        for r, answer in zip(state.pool.replicas, per, strict=True)
+        if answer.get("round_incomplete") is True
+    ]
 
 
 def _fail(
