@@ -145,10 +145,16 @@ def _client(app: Any) -> httpx.AsyncClient:
     )
 
 
-def test_round_lease_aborts_an_idle_round_and_weight_calls_rearm_it() -> None:
-    state = ServerState(pool=RecordingPool(), options=ServerOptions(lease_s=0.2))  # type: ignore[arg-type]
+def _leased(pool: RecordingPool) -> ServerState:
+    """A session at version ``v1`` whose rounds hold a 0.2 s lease."""
+    state = ServerState(pool=pool, options=ServerOptions(lease_s=0.2))  # type: ignore[arg-type]
     state.session.initialized(object())
     state.session.weight_version = "v1"
+    return state
+
+
+def test_round_lease_aborts_an_idle_round_and_weight_calls_rearm_it() -> None:
+    state = _leased(RecordingPool())
     app = create_app(state)
 
     async def scenario() -> None:
@@ -185,9 +191,7 @@ def test_a_lease_that_aborts_a_round_applied_in_place_says_which_replicas_hold_p
     place: the previous weights are not whole there)."""
     pool = RecordingPool()
     pool.replicas = [_PartlyWritten()]
-    state = ServerState(pool=pool, options=ServerOptions(lease_s=0.2))  # type: ignore[arg-type]
-    state.session.initialized(object())
-    state.session.weight_version = "v1"
+    state = _leased(pool)
     app = create_app(state)
 
     async def scenario() -> None:
