@@ -171,7 +171,7 @@ class Bench:
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        from weightwire.backends.ipc.slots import dump_trace, trace
+        from weightwire._trace import dump_trace, trace
 
         walls, metrics, links, phases, memory = [], [], [], [], []
         for i in range(self.args.warmup + self.args.rounds):
@@ -405,7 +405,7 @@ def probe_base(
     kernel's workspace allocations as ``workspace``)."""
     import torch
 
-    from weightwire.backends.ipc.slots import trace
+    from weightwire._trace import trace
 
     tracker = trainer._delta.tracker  # the engine's own DeltaTracker
     build = tracker.build

@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))  # tests.torch_side.vllm_stub: the vLLM-layout par
 from ipc_layout import TRACING, IPCShimReceiver, layout_digests, layout_params  # noqa: E402
 from ipc_probes import TracedClient, ceilings_s, profiled  # noqa: E402
 
-from weightwire.backends.ipc.slots import dump_trace, trace  # noqa: E402
+from weightwire._trace import dump_trace, trace  # noqa: E402
 from weightwire.tools.bench import sync_shim as bench_sync_shim  # noqa: E402
 from weightwire.tools.bench.sync import MODELS, build_params, make_source  # noqa: E402
 from weightwire.tools.bench.sync_shim import control_client, receiver_main, rpc  # noqa: E402

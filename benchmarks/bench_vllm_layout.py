@@ -87,7 +87,7 @@ class TrainerMemory:
 def _timed(send: Any, args: argparse.Namespace, label: str = "") -> list[float]:
     """Seconds per ``send()``; with ``WEIGHTWIRE_IPC_TRACE`` each timed round is marked
     (``benchmarks/ipc_timeline.py`` prints where its milliseconds go)."""
-    from weightwire.backends.ipc.slots import dump_trace, trace
+    from weightwire._trace import dump_trace, trace
 
     for _ in range(args.warmup):
         send()

@@ -39,6 +39,8 @@ for s in "$@"; do case $s in
   overlap_tests) step overlap_tests 240 "${PYT[@]}" tests/trainer/test_overlap_torch.py tests/trainer/test_overlap_cow.py tests/gpu/test_ipc_gpu.py -k overlap ;;
   delta) step delta 120 "$PY" benchmarks/bench_delta_round.py --backends weightwire_ipc --rounds 2 --out "$OUT/delta_round.md" ;;
   ipc_trace) step ipc_trace 200 bash -c "mkdir -p '$OUT/tr' && WEIGHTWIRE_IPC_TRACE='$OUT/tr/x' '$PY' benchmarks/bench_ipc.py --modes default --rounds 10 --deadline-s 180 --out '$OUT/ipc_trace.md' && '$PY' benchmarks/ipc_timeline.py '$OUT/tr/x'" ;;
+  trace05) step trace05 150 bash -c "mkdir -p '$OUT/t5' && WEIGHTWIRE_IPC_TRACE='$OUT/t5/x' '$PY' benchmarks/bench_ipc.py --modes default --models qwen2-0.5b --rounds 20 --deadline-s 140 --out '$OUT/trace05.md' && '$PY' benchmarks/ipc_timeline.py '$OUT/t5/x'" ;;
+  gpu_rest) step gpu_rest "${ALL_LIMIT:-300}" "${PYT[@]}" tests/gpu/test_logits_gpu.py tests/gpu/test_sliced_nccl_gpu.py tests/gpu/test_transport_nccl_gpu.py tests/gpu/test_vllm_stub_ipc_gpu.py tests/jax_side tests/server tests/torch_side tests/trainer ;;
   cowpull) step cowpull 150 "${PYT[@]}" -v tests/gpu/test_ipc_gpu.py -k overlapped ;;
   delta_probe) step delta_probe 150 "$PY" benchmarks/bench_delta_round.py --backends weightwire_ipc --rounds 2 --probe --out "$OUT/delta_probe.md" ;;
   wt_tests) step wt_tests 300 "${PYT[@]}" tests/gpu/test_ipc_write_through_gpu.py tests/gpu/test_ipc_gpu.py tests/gpu/test_vllm_stub_ipc_gpu.py tests/gpu/test_ipc_gather_gpu.py ;;

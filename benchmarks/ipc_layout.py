@@ -9,7 +9,7 @@ from typing import Any
 
 from ipc_probes import profiled, trace_worker  # beside this script
 
-from weightwire.backends.ipc.slots import trace
+from weightwire._trace import trace
 from weightwire.tools.bench import sync_shim as bench_sync_shim
 
 TRACING = bool(os.environ.get("WEIGHTWIRE_IPC_TRACE"))  # the same switch as slots.trace

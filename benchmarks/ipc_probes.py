@@ -8,7 +8,7 @@ import statistics
 import sys
 from typing import Any
 
-from weightwire.backends.ipc.slots import trace
+from weightwire._trace import trace
 
 
 def marked(fn: Any, name: str) -> Any:

@@ -529,7 +529,7 @@ def _timed(op: str, seconds: dict[str, float]) -> Iterator[None]:
         return
     if op == "start_weight_update":
         seconds.clear()
-    from weightwire.backends.ipc.slots import dump_trace, trace
+    from weightwire._trace import dump_trace, trace
 
     trace(f"w.{op}>")  # WEIGHTWIRE_IPC_TRACE: the calls on benchmarks/ipc_timeline.py's timeline
     start = time.perf_counter()
@@ -566,7 +566,7 @@ def probe_steps(seconds: dict[str, float], device: torch.device) -> None:
     leaves ``w.<key>>`` / ``w.<key><`` marks for ``benchmarks/ipc_timeline.py``."""
     import importlib
 
-    from weightwire.backends.ipc.slots import trace
+    from weightwire._trace import trace
 
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 

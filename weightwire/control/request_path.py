@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from weightwire._trace import trace
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.routes import Route
 
@@ -178,12 +179,14 @@ class KeepAliveTransport(httpx.BaseTransport):
         sock = self._checkout(request)
         try:
             sock.sendall(data)
+            trace("http sent")
             reply = http.client.HTTPResponse(sock, method=request.method)
             try:
                 reply.begin()
                 body = reply.read()
             finally:
                 reply.close()  # its file object only; the socket stays ours
+            trace("http read")
         except TimeoutError as exc:
             sock.close()
             raise httpx.ReadTimeout(str(exc) or "timed out", request=request) from exc

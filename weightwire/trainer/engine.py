@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal, Self, cast, overload
 
+from weightwire._trace import trace
 from weightwire.backends import get_backend
 from weightwire.backends.base import WatchesPeer
 from weightwire.control.fallback import with_fallback_routes
@@ -328,6 +329,7 @@ class TrainerEngine(FrameworkHooks):
     ) -> RoundMetrics:
         """One blocking round of ``source``: the live source, or an overlapped round's snapshot
         on the round thread, whose ``before_commit`` stops it right before its finish."""
+        trace("engine>")
         s = self.session
         self._refuse_closed()
         self._overlapped.settle()  # the rounds in flight land first: rounds never reorder

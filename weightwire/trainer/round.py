@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from weightwire._trace import trace
 from weightwire.backends.base import RoundSender, Sent
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.meta import MetaRows, ParamMeta
@@ -706,6 +707,7 @@ def send_update(
     """Rank 0 alone: its one update POST beside the broadcast of ``chunks`` (``sender``: another
     data path than the session's, a sliced round's); a failure that leaves the link unusable
     marks the session broken."""
+    trace("transfer>")
     sender = s.sender if sender is None else sender
     assert sender is not None
     payload, control = t.sole_payload, t.control

@@ -27,6 +27,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from weightwire._trace import trace
 from weightwire.backends.base import Outgoing, Prepared, RoundSender, Sent
 from weightwire.control.fanout import spawn
 from weightwire.shared.client import EngineClient
@@ -234,6 +235,7 @@ class Transfer:
                 what = "update_weights (after the last broadcast; it carries the round's finish: "
                 what += "the servers' commit runs in it)"
             await_call(self._update, self._http_s, what)
+            trace("answered")
             return sent
         except BaseException as exc:
             stop.set()
@@ -295,9 +297,16 @@ class Transfer:
         after the go: the link is aborted, as after a first byte), or raises the request's
         own error when it failed before that (a start its server refused: nothing written)."""
         started = time.perf_counter()
+        trace("one>")
         try:
             self._control()
-            future = spawn(self._post_update, name="weightwire-round")
+            post = self._post_update
+
+            def posted() -> Any:
+                trace("post>")
+                return post()
+
+            future = spawn(posted, name="weightwire-round")
             stop, comm, heard, answered = self._stop, self._comm, self._heard, self._answered
 
             def done(f: Future) -> None:  # not a bound method: no cycle through the future

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, wait
 from typing import Any
 
+from weightwire._trace import dump_trace, trace
 from weightwire.backends.base import (
     Begin,
     DevicePacker,
@@ -41,11 +42,9 @@ from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.link import IPCSenderComm
 from weightwire.backends.ipc.slots import (
     MEMCPY_DEVICE_TO_DEVICE,
-    dump_trace,
     record,
     stream_wait,
     sync_stream,
-    trace,
     wait_event_host,
     wait_mode,
 )

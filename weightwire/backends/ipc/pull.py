@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from weightwire._trace import trace
 from weightwire.backends.base import Prepared, Sent
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.gather import GatherCopy
@@ -51,7 +52,6 @@ from weightwire.backends.ipc.slots import (
     open_mapping,
     record,
     stream_wait,
-    trace,
     wait_event_host,
 )
 from weightwire.shared.errors import TransferError

@@ -25,7 +25,6 @@ the session's 128-byte secret (HMAC challenge), carrying length-prefixed JSON.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -45,24 +44,6 @@ CUDA_ERROR_NOT_READY = 600
 MAX_MESSAGE_BYTES = 1 << 20
 _POLL_S = 0.05
 DEFAULT_WAIT = "device"
-
-
-_TRACE_TO = os.environ.get("WEIGHTWIRE_IPC_TRACE")
-_trace: list[tuple[float, str]] = []
-
-
-def trace(event: str) -> None:
-    """Debug aid (``WEIGHTWIRE_IPC_TRACE=/path/prefix``): a host timestamp per protocol step,
-    written per round by ``dump_trace``; one clock (``perf_counter``) for every process."""
-    if _TRACE_TO is not None:
-        _trace.append((time.perf_counter(), event))
-
-
-def dump_trace(side: str) -> None:
-    if _TRACE_TO is not None and _trace:
-        with open(f"{_TRACE_TO}.{side}.{os.getpid()}.jsonl", "a") as f:
-            f.write(json.dumps(_trace) + "\n")
-        _trace.clear()
 
 
 class IPCUnavailable(UnavailableError, RuntimeError):

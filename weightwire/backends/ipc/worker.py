@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from weightwire._trace import dump_trace, trace
 from weightwire.backends.ipc.channel import check_int, dial
 from weightwire.backends.ipc.info import IPC_MODES, IPCInitInfo
 from weightwire.backends.ipc.pool import ReceivePool
@@ -30,12 +31,10 @@ from weightwire.backends.ipc.slots import (
     cupy_module,
     destroy_events,
     device_uuid,
-    dump_trace,
     event_handle,
     new_ipc_event,
     open_event,
     stream_wait,
-    trace,
     wait_event_host,
     wait_mode,
 )

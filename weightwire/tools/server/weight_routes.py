@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from weightwire._trace import dump_trace, trace
 from weightwire.shared.routes import (
     CHECKER_ACTIONS,
     FINISH_RESETS_RESUMES,
@@ -187,6 +188,14 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
 
     @plain_post(app, route_path("update_weights"))
     async def update_weights(request: Request) -> JSONResponse:
+        trace("in")
+        try:
+            return await _update_weights(request)
+        finally:
+            trace("out")
+            dump_trace("api")
+
+    async def _update_weights(request: Request) -> JSONResponse:
         clock = CallClock()
         then = update_finish_query(request)  # advertised (UPDATE_FINISHES); checked first
         starts = update_start_query(request, then)  # advertised (UPDATE_STARTS)
@@ -208,6 +217,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
             if starts.pause is not None:
                 _say_pause(refused, START_PAUSED_NOTHING, START_PAUSE_NONE, state.gate.mode)
             raise refused from None
+        trace("body")
         per: list[dict[str, Any]] | None = None
         if starts is not None:  # the round in one request: the start's steps first
             per = await _start_in_update(state, request, body, starts, clock)
@@ -236,6 +246,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                     ) from None
             state.note_update(per)  # an adapter it writes is not unloaded until the round ends
             with clock.part("worker"):
+                trace("update>")
                 results = await fan_out_or_fail(
                     state,
                     "update_weights",
@@ -244,6 +255,7 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
                     timeout=opts.round_timeout_s,
                     abort_on_failure=True,
                 )
+                trace("update<")
             session.updated(results)
             note_listing(per, session.listings)
             if then is None:
@@ -329,6 +341,7 @@ async def _open_round(
             ours = await _pause_first(state, mode, wait_s)
     async with session.operation("start_weight_update"):
         with clock.part("worker"):
+            trace("start>")
             await fan_out_or_fail(
                 state,
                 "start_weight_update",
@@ -337,6 +350,7 @@ async def _open_round(
                 timeout=state.options.op_timeout_s,
                 abort_on_failure=True,
             )
+        trace("start<")
         session.started()
         if ours is not None:  # the hold is this round's: a later commit may lift it
             state.gate.round_pause = (ours, session.round_id)
@@ -456,6 +470,7 @@ async def _commit(state: ServerState, version: str | None) -> bool:
     opts, session = state.options, state.session
     # The worker itself gives up on the model lock after op_timeout (and then commits
     # nothing); our wait only has to outlast that verdict.
+    trace("finish>")
     replies = await fan_out_or_fail(
         state,
         "finish_weight_update",
@@ -464,6 +479,7 @@ async def _commit(state: ServerState, version: str | None) -> bool:
         timeout=opts.op_timeout_s + _VERDICT_GRACE_S,
         abort_on_failure=True,
     )
+    trace("finish<")
     state.sleep.record(replies)
     empty = session.updates_in_round == 0
     if empty:

@@ -16,16 +16,15 @@ from typing import Any
 
 import torch
 
+from weightwire._trace import dump_trace, trace
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.info import decode_handles
 from weightwire.backends.ipc.receiver import IPCReceiver, Posted, posted_chunk
 from weightwire.backends.ipc.slots import (
     MEMCPY_DEVICE_TO_DEVICE,
-    dump_trace,
     record,
     stream_wait,
     sync_stream,
-    trace,
     wait_event_host,
     wait_mode,
 )

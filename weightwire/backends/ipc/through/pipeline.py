@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from weightwire._trace import trace
 from weightwire.backends.device import StreamRef
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.gather import GatherCopy, StagedRows
@@ -61,7 +62,6 @@ from weightwire.backends.ipc.slots import (
     open_mapping,
     record,
     stream_wait,
-    trace,
     wait_event_host,
 )
 from weightwire.backends.ipc.through.kernels import Launch, StagedLaunches, StridedCopy

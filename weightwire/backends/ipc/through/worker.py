@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 
+from weightwire._trace import dump_trace, trace
 from weightwire.backends.ipc import worker as ipc_worker
 from weightwire.backends.ipc.channel import check_int
 from weightwire.backends.ipc.info import IPCInitInfo
 from weightwire.backends.ipc.push.worker import IPCLink
 from weightwire.backends.ipc.receiver import IPCReceiver
-from weightwire.backends.ipc.slots import dump_trace, record, stream_wait, trace, wait_event_host
+from weightwire.backends.ipc.slots import record, stream_wait, wait_event_host
 from weightwire.backends.ipc.through.table import (
     Alloc,
     Land,
