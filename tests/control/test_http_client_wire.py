@@ -37,6 +37,7 @@ class WireServer:
             False  # close the connection without saying so (an idle-timeout close)
         )
         self.reply_headers = b""
+        self.before_reply: Any = None  # called once a request was read, before its reply
         # Which connection each request came on (numbered as they first carry one: a stray
         # connect from elsewhere on the host that sends nothing is not counted), and how many
         # connections the server itself closed after a reply.
@@ -77,6 +78,8 @@ class WireServer:
                 self.requests.append(([("request-line", lines[0]), *headers], body))
                 if self.silent:
                     continue
+                if self.before_reply is not None:
+                    self.before_reply()
                 status, payload = self.reply
                 conn.sendall(
                     b"HTTP/1.1 %d X\r\n"
@@ -315,3 +318,24 @@ def test_a_query_built_once_per_route_goes_out_as_httpx_writes_it(server: WireSe
     assert len(client._paths[0]._urls) == 4  # one per route and query, the list's not kept
     client.close()
     plain.close()
+
+
+def test_on_sent_tells_the_calling_thread_once_its_request_left_before_the_reply(
+    server: WireServer,
+) -> None:
+    """``on_sent``: the round's one request lets its data path go on once its bytes were
+    written; the server here answers only after the callback ran (else it records False)."""
+    from weightwire.control.request_path import on_sent
+
+    told = threading.Event()
+    seen: list[bool] = []
+    server.before_reply = lambda: seen.append(told.wait(5.0))
+    client = HTTPWeightSyncClient(server.url)
+    with on_sent(told.set):
+        client.start_weight_update()
+    assert seen == [True]
+    told.clear()
+    server.before_reply = lambda: seen.append(told.is_set())
+    client.start_weight_update()  # outside the block: nobody is told
+    assert seen == [True, False] and not told.is_set()
+    client.close()

@@ -185,13 +185,21 @@ class Hearing:
 
     hears_workers = True
 
-    def __init__(self, hear: bool, fail: BaseException | None = None) -> None:
-        self.hear, self.fail, self.settled = hear, fail, 0
+    def __init__(
+        self, hear: bool, fail: BaseException | None = None, *, order: list[str] | None = None
+    ) -> None:
+        """``order``: the data path sends the request itself first (``Outgoing.request``, as
+        ``weightwire_ipc``'s does), appending "sent" to it once that returned."""
+        self.hear, self.fail, self.settled, self.order = hear, fail, 0, order
 
     def send(self, out: Outgoing) -> Sent:
         import threading
 
         assert out.one_request and out.heard is not None and out.begin is not None
+        if self.order is not None:
+            assert out.request is not None
+            out.request()
+            self.order.append("sent")
         errors: list[BaseException] = []
 
         def run() -> None:
@@ -238,6 +246,41 @@ def test_a_round_in_one_request_runs_control_then_sends_it_and_returns_its_answe
     assert step.run([], []) == Sent(0, 0)
     assert order == ["control", "request"]  # control sends nothing: it records the request
     assert step.broken is None and comm.aborted == 0
+
+
+def test_the_data_path_sends_the_one_request_from_its_thread_and_begin_sends_none() -> None:
+    order: list[str] = []
+    calls: list[int] = []
+    step, comm = _one_request(Hearing(hear=True, order=order), lambda: calls.append(1), order)
+    assert step.run([], []) == Sent(0, 0)
+    # the request went out (on its helper) before the data path's call returned: the data
+    # path's next work never contends with it; begin, later, sent nothing more
+    assert order == ["control", "request", "sent"] and calls == [1]
+    assert step.broken is None and comm.aborted == 0
+
+
+def test_the_data_path_waits_for_the_request_only_a_bounded_time() -> None:
+    """A request whose bytes do not leave (a transport that never says, a stuck connect)
+    holds the data path up for the bound only: the round goes on, and answers with it."""
+    import threading
+    import time
+
+    order: list[str] = []
+    stuck = threading.Event()
+    early: list[bool] = []
+
+    def unstick() -> None:  # the request answers only once the data path went on
+        deadline = time.monotonic() + 3.0
+        while "sent" not in order and time.monotonic() < deadline:
+            time.sleep(0.001)
+        early.append("sent" in order)
+        stuck.set()
+
+    step, _ = _one_request(Hearing(hear=True, order=order), lambda: stuck.wait(5.0), order)
+    threading.Thread(target=unstick, daemon=True).start()
+    assert step.run([], []) == Sent(0, 0)
+    assert early == [True]  # went on before the stuck request answered
+    assert order == ["control", "request", "sent"]
 
 
 def test_a_request_refused_before_the_workers_spoke_keeps_the_engine() -> None:

@@ -82,6 +82,11 @@ class Outgoing:
     heard: Callable[[], None] | None = None
     """Called by a data path that ``hears_workers`` once it read every worker's first word
     of the round, before its first write."""
+    request: Callable[[], None] | None = None
+    """A round of one request: sends it (once; ``begin`` does where the data path has not),
+    returning once its bytes were written. A data path that runs ``begin`` from its start
+    calls it from its own thread right after ``ready``: the request leaves without waiting for
+    the helper that runs ``begin`` and without contending with the data path's first work."""
 
 
 class Sent(NamedTuple):

@@ -29,6 +29,8 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -36,6 +38,23 @@ import httpx
 from weightwire._trace import trace
 from weightwire.shared.errors import WeightSyncError
 from weightwire.shared.routes import Route
+
+_sent = threading.local()
+
+
+@contextmanager
+def on_sent(callback: Callable[[], None]) -> Iterator[None]:
+    """Within the block, each request this thread sends through ``KeepAliveTransport`` calls
+    ``callback`` once its bytes were written (before the reply is read): a caller that waits
+    for that gives this thread the interpreter while it builds and writes the request, instead
+    of contending with it. Another transport never calls it (its caller bounds its wait)."""
+    before = getattr(_sent, "callback", None)
+    _sent.callback = callback
+    try:
+        yield
+    finally:
+        _sent.callback = before
+
 
 _KEPT_URLS = 256
 """URLs (route and query) one server's request path keeps built."""
@@ -180,6 +199,9 @@ class KeepAliveTransport(httpx.BaseTransport):
         try:
             sock.sendall(data)
             trace("http sent")
+            told = getattr(_sent, "callback", None)
+            if told is not None:
+                told()
             reply = http.client.HTTPResponse(sock, method=request.method)
             try:
                 reply.begin()

@@ -30,6 +30,7 @@ from typing import Any
 from weightwire._trace import trace
 from weightwire.backends.base import Outgoing, Prepared, RoundSender, Sent
 from weightwire.control.fanout import spawn
+from weightwire.control.request_path import on_sent
 from weightwire.shared.client import EngineClient
 from weightwire.shared.errors import (
     ControlTimeout,
@@ -47,6 +48,9 @@ from weightwire.trainer.metrics import PhaseClock
 logger = logging.getLogger(__name__)
 
 _GRACE_S = 2.0
+_SENT_BOUND_S = 0.005
+"""How long the data path lets the round's one request be written (``Transfer._send_one``):
+it leaves in tenths of a millisecond; the bound only keeps a slow one from holding it up."""
 """How long a failed data plane waits for the server's verdict before raising its own
 (a worker that failed answers its request within milliseconds)."""
 
@@ -194,6 +198,7 @@ class Transfer:
         self._finishes = finishes
         self._one_request = one_request
         self._heard = threading.Event()  # every worker spoke from inside the request
+        self._sent = threading.Event()  # the request's bytes were written
         self._answered = threading.Event()  # the request answered, or the workers spoke
         self._go_accepts = go_accepts
         self._ready = ready
@@ -221,6 +226,7 @@ class Transfer:
             metas=wire_metas,
             go_accepts=self._go_accepts,
             ready=self._ready,
+            request=self._send_one if self._one_request else None,
             one_request=self._one_request,
             heard=self._on_heard if self._one_request else None,
         )
@@ -290,21 +296,31 @@ class Transfer:
         future.add_done_callback(lambda f: _on_update_done(f, stop, comm))
         self._update = future
 
-    def _begin_one(self) -> None:
-        """The round in one request: ``control`` (it sends nothing: it records the request as
-        the round's pause and start), then the request on a helper thread; returns once the
-        data path heard every worker's word from inside it (then the request's failure is one
-        after the go: the link is aborted, as after a first byte), or raises the request's
-        own error when it failed before that (a start its server refused: nothing written)."""
+    def _send_one(self) -> None:
+        """The round's one request out, once (the data path calls it from its own thread as
+        its pump starts, ``Outgoing.request``; else ``begin`` does): ``control`` (it sends
+        nothing: it records the request as the round's pause and start), then the request on a
+        helper thread. Returns once the request's bytes were written (at most
+        ``_SENT_BOUND_S``): meanwhile the helper has the interpreter to itself to build and
+        write them, where the data path's next work (its first chunk's regions and copies,
+        Python that overlaps the server's work) would have slowed it at every switch."""
+        if self._update is not None:
+            return
         started = time.perf_counter()
         trace("one>")
         try:
             self._control()
-            post = self._post_update
+            post, sent = self._post_update, self._sent
 
             def posted() -> Any:
                 trace("post>")
-                return post()
+                try:
+                    with on_sent(sent.set):
+                        answer = post()
+                    trace("post<")
+                    return answer
+                finally:
+                    sent.set()  # refused before its bytes left, or another transport
 
             future = spawn(posted, name="weightwire-round")
             stop, comm, heard, answered = self._stop, self._comm, self._heard, self._answered
@@ -318,6 +334,21 @@ class Transfer:
 
             future.add_done_callback(done)
             self._update = future
+            sent.wait(_SENT_BOUND_S)
+        finally:
+            self._clock.shift("transfer", "control", time.perf_counter() - started)
+
+    def _begin_one(self) -> None:
+        """The round in one request: the request (``_send_one``, where the data path has not
+        sent it); returns once the data path heard every worker's word from inside it (then the
+        request's failure is one after the go: the link is aborted, as after a first byte), or
+        raises the request's own error when it failed before that (a start its server refused:
+        nothing written)."""
+        self._send_one()
+        started = time.perf_counter()
+        update, heard, answered = self._update, self._heard, self._answered
+        assert update is not None
+        try:
             if not answered.wait(self._http_s + _GRACE_S):
                 raise ControlTimeout(
                     f"update_weights (it carries the round's start) neither answered nor let "
@@ -325,7 +356,7 @@ class Transfer:
                     route="update_weights",
                 )
             if not heard.is_set():
-                future.result()  # its error: refused before any worker spoke
+                update.result()  # its error: refused before any worker spoke
         finally:
             self._clock.shift("transfer", "control", time.perf_counter() - started)
 

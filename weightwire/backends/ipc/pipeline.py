@@ -92,6 +92,8 @@ class IPCDataPath(RoundSender):
         if out.ready is not None:  # the start goes now, before the first chunk's work
             out.ready()
             trace("start released")
+        if out.request is not None:  # the round's one request, likewise
+            out.request()
         starter = _Starter(
             out.begin,
             timeout=_CONTROL_BOUND_S + self._timeout,

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from weightwire._trace import trace
 from weightwire.backends.worker_base import (
     Connect,
     LandingRecord,
@@ -329,12 +330,16 @@ class _ReceiverCore:
             self.backend, model, model_config, self._framework, self._load_batching
         )
         self._round = first_strategy(target, self.stage_budget_bytes)
+        trace("strategy")
         self._active = True
         self.caches.round_began()
         self.last_round = RoundStats(self.session)
+        trace("began")
         early = self._link.early_landing()
+        trace("landing")
         if early is not None:  # in place from now on: the trainer writes once told so
             self._round = early_round(target, self._settle, early)
+            trace("early round")
             try:
                 self._link.go_early()
             except BaseException as exc:
