@@ -15,6 +15,7 @@ through the receive pool as in pull mode, and the reason is logged once.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -81,8 +82,14 @@ class _Offered:
         return self.live()
 
     def live(self) -> bool:
-        """Every parameter it names is still where it was exported."""
-        return all(p.data_ptr() == q for p, q in zip(self.params, self.ptrs, strict=True))
+        """Every parameter it names is still where it was exported (checked at every round's
+        start, before the go: one C-level pass, no generator per parameter)."""
+        return tuple(map(torch.Tensor.data_ptr, self.params)) == self.ptrs
+
+    @functools.cached_property
+    def names(self) -> frozenset[str]:
+        """The tensors it lands (built once: a round's start asks for them)."""
+        return frozenset(m.name for m in self.metas)
 
 
 class IPCWriteThroughLink(IPCPullLink):
@@ -107,7 +114,7 @@ class IPCWriteThroughLink(IPCPullLink):
         offered = self._offered
         if offered is None or not offered.through or not offered.live():
             return None
-        return frozenset(m.name for m in offered.metas)
+        return offered.names
 
     def go_early(self) -> None:
         """The trainer may write this session's table from now on: it checks that the table
