@@ -37,6 +37,8 @@ is not measured (one GPU).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -44,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,11 +135,14 @@ def run_config(
         for _ in range(cfg["warmup"]):
             engine.send_weights()
         walls, control, finish, calls = [], [], [], []
-        for _ in range(cfg["rounds"]):
+        helper_walls: list[float] = []
+        for n in range(cfg["rounds"]):
+            helper = bool(cfg.get("ab_request")) and n % 2 == 1
             start = time.perf_counter()
             trace(f"send> {kind} {model} {mode}")
-            metrics = engine.send_weights()
-            walls.append(time.perf_counter() - start)
+            with request_on_helper(helper):
+                metrics = engine.send_weights()
+            (helper_walls if helper else walls).append(time.perf_counter() - start)
             trace("send<")
             control.append(metrics.seconds.get("control", 0.0))
             finish.append(metrics.seconds.get("finish", 0.0))
@@ -178,6 +184,9 @@ def run_config(
     finally:
         engine.shutdown()
         getattr(client, "close", lambda: None)()
+    if helper_walls:  # --ab-request: the same rounds with the request sent from its helpers
+        row["helper_request_s"] = statistics.median(helper_walls)
+        row["pairs_faster"] = sum(a < b for a, b in zip(walls, helper_walls, strict=False))
     row.update(
         round_s=statistics.median(walls),
         control_ms=1e3 * statistics.median(control),
@@ -186,6 +195,28 @@ def run_config(
         walls=walls,
     )
     return row
+
+
+@contextlib.contextmanager
+def request_on_helper(on: bool) -> Iterator[None]:
+    """``--ab-request``'s baseline: a round of one request sent as before the data path sent
+    it itself (``Outgoing.request`` withheld: ``begin`` sends it from its helper threads),
+    alternating round by round with the default in the same process."""
+    if not on:
+        yield
+        return
+    from weightwire.backends.ipc import pipeline as ipc_pipeline
+
+    own = ipc_pipeline.IPCDataPath.send
+
+    def send(self: Any, out: Any) -> Any:
+        return own(self, dataclasses.replace(out, request=None))
+
+    ipc_pipeline.IPCDataPath.send = send  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ipc_pipeline.IPCDataPath.send = own  # type: ignore[method-assign]
 
 
 def sender_main(cfg: dict[str, Any]) -> None:
@@ -306,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
         "vLLM-layout parameter set)",
     )
     ap.add_argument(
+        "--ab-request",
+        action="store_true",
+        help="alternate rounds with the one request sent from the begin helper (the baseline "
+        "before the data path sent it itself); reports both medians",
+    )
+    ap.add_argument(
         "--two-calls",
         action="store_true",
         help="never send the round in one request (the reference server's UPDATE_STARTS): "
@@ -393,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                     "modes": args.modes.split(","),
                     "sink": args.sink,
                     "two_calls": args.two_calls,
+                    "ab_request": args.ab_request,
                 }
                 sender = _spawn("sender", cfg, Path(tmp, f"s-{kind}.json"))
                 procs.append(sender)

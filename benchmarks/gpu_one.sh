@@ -41,6 +41,7 @@ for s in "$@"; do case $s in
   ipc_trace) step ipc_trace 200 bash -c "mkdir -p '$OUT/tr' && WEIGHTWIRE_IPC_TRACE='$OUT/tr/x' '$PY' benchmarks/bench_ipc.py --modes default --rounds 10 --deadline-s 180 --out '$OUT/ipc_trace.md' && '$PY' benchmarks/ipc_timeline.py '$OUT/tr/x'" ;;
   trace05) step trace05 150 bash -c "mkdir -p '$OUT/t5' && WEIGHTWIRE_IPC_TRACE='$OUT/t5/x' '$PY' benchmarks/bench_ipc.py --modes default --models qwen2-0.5b --rounds 20 --deadline-s 140 --out '$OUT/trace05.md' && '$PY' benchmarks/ipc_timeline.py '$OUT/t5/x'" ;;
   gpu_rest) step gpu_rest "${ALL_LIMIT:-300}" "${PYT[@]}" tests/gpu/test_logits_gpu.py tests/gpu/test_sliced_nccl_gpu.py tests/gpu/test_transport_nccl_gpu.py tests/gpu/test_vllm_stub_ipc_gpu.py tests/jax_side tests/server tests/torch_side tests/trainer ;;
+  ab_req*) step "$s" 100 "$PY" benchmarks/bench_ipc.py --modes default --models qwen2-0.5b --rounds 60 --ab-request --deadline-s 90 --out "$OUT/$s.md" ;;
   q05now*) step "$s" 90 "$PY" benchmarks/bench_ipc.py --modes default --models qwen2-0.5b --rounds 30 --deadline-s 80 --out "$OUT/$s.md" ;;
   q05before*) [ -d _before ] && step "$s" 90 env PYTHONPATH="$PWD/_before:/tmp/ww-deps:$PWD/_before/benchmarks" "$PY" _before/benchmarks/bench_ipc.py --modes default --models qwen2-0.5b --rounds 30 --deadline-s 80 --out "$OUT/$s.md" ;;
   cowpull) step cowpull 150 "${PYT[@]}" -v tests/gpu/test_ipc_gpu.py -k overlapped ;;
