@@ -42,11 +42,12 @@ for s in "$@"; do case $s in
   trace05) step trace05 150 bash -c "mkdir -p '$OUT/t5' && WEIGHTWIRE_IPC_TRACE='$OUT/t5/x' '$PY' benchmarks/bench_ipc.py --modes default --models qwen2-0.5b --rounds 20 --deadline-s 140 --out '$OUT/trace05.md' && '$PY' benchmarks/ipc_timeline.py '$OUT/t5/x'" ;;
   gpu_rest) step gpu_rest "${ALL_LIMIT:-300}" "${PYT[@]}" tests/gpu/test_logits_gpu.py tests/gpu/test_sliced_nccl_gpu.py tests/gpu/test_transport_nccl_gpu.py tests/gpu/test_vllm_stub_ipc_gpu.py tests/jax_side tests/server tests/torch_side tests/trainer ;;
   ab_req*) step "$s" 100 "$PY" benchmarks/bench_ipc.py --modes default --models qwen2-0.5b --rounds 60 --ab-request --deadline-s 90 --out "$OUT/$s.md" ;;
+  ab8*) step "$s" 120 "$PY" benchmarks/bench_ipc.py --modes default --models llama3-8b --rounds 20 --ab-request --deadline-s 110 --out "$OUT/$s.md" ;;
   q05now*) step "$s" 90 "$PY" benchmarks/bench_ipc.py --modes default --models qwen2-0.5b --rounds 30 --deadline-s 80 --out "$OUT/$s.md" ;;
   q05before*) [ -d _before ] && step "$s" 90 env PYTHONPATH="$PWD/_before:/tmp/ww-deps:$PWD/_before/benchmarks" "$PY" _before/benchmarks/bench_ipc.py --modes default --models qwen2-0.5b --rounds 30 --deadline-s 80 --out "$OUT/$s.md" ;;
   cowpull) step cowpull 150 "${PYT[@]}" -v tests/gpu/test_ipc_gpu.py -k overlapped ;;
   delta_probe) step delta_probe 150 "$PY" benchmarks/bench_delta_round.py --backends weightwire_ipc --rounds 2 --probe --out "$OUT/delta_probe.md" ;;
-  wt_tests) step wt_tests 300 "${PYT[@]}" tests/gpu/test_ipc_write_through_gpu.py tests/gpu/test_ipc_gpu.py tests/gpu/test_vllm_stub_ipc_gpu.py tests/gpu/test_ipc_gather_gpu.py ;;
+  wt_tests) step wt_tests 420 "${PYT[@]}" tests/gpu/test_ipc_write_through_gpu.py tests/gpu/test_ipc_gpu.py tests/gpu/test_vllm_stub_ipc_gpu.py tests/gpu/test_ipc_gather_gpu.py ;;
   ab_now*) step "$s" 80 bash -c "rm -rf /tmp/$s && mkdir -p /tmp/$s && WEIGHTWIRE_IPC_TRACE=/tmp/$s/x '$PY' benchmarks/bench_ipc.py --modes default --rounds 10 --deadline-s 75 --out /tmp/$s.md && '$PY' benchmarks/ipc_timeline.py /tmp/$s/x" ;;
   ab_before*) [ -d _before ] && step "$s" 80 bash -c "rm -rf /tmp/$s && mkdir -p /tmp/$s && cd _before && WEIGHTWIRE_IPC_TRACE=/tmp/$s/x PYTHONPATH=\$PWD:/tmp/ww-deps:\$PWD/benchmarks '$PY' benchmarks/bench_ipc.py --modes default --rounds 10 --deadline-s 75 --out /tmp/$s.md && '$PY' benchmarks/ipc_timeline.py /tmp/$s/x" ;;
   one_call*) step "$s" 150 "$PY" benchmarks/bench_ipc.py --modes default --engines jax --models qwen2-0.5b,llama3-8b --rounds 10 --deadline-s 140 --out "/tmp/$s.md" ;;
