@@ -496,6 +496,54 @@ def test_the_start_is_released_once_the_first_chunk_was_made_before_begin_runs()
     assert order.index("ready") < order.index("begin")
 
 
+def test_the_one_request_leaves_from_the_data_paths_thread_before_its_first_regions() -> None:
+    """``Outgoing.request`` (a round of one request): called once, on the data path's own
+    thread, after the first chunk was made and the start released, before that chunk's
+    regions are taken and before ``begin`` runs on its helper."""
+    metas, table = _fused()
+    _, _, worker, pipe = _setup(table, metas)
+    worker.start()
+    order: list[str] = []
+    threads: list[int] = []
+    chunks = plan(metas, packed=True, buffer_size_bytes=100)
+    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
+
+    def prepared() -> Any:
+        for c in chunks:
+            order.append("chunk read")
+            yield c, tensors[c.start : c.stop]
+
+    def request() -> None:
+        threads.append(threading.get_ident())
+        order.append("request")
+
+    def begin() -> None:
+        order.append("begin")
+        worker.started.release()
+
+    regions = pipe._packer.regions
+
+    def regions_taken(*a: Any, **k: Any) -> Any:
+        order.append("regions")
+        return regions(*a, **k)
+
+    pipe._packer.regions = regions_taken
+    out = Outgoing(
+        prepared(),
+        threading.Event(),
+        begin=begin,
+        metas=metas,
+        ready=lambda: order.append("ready"),
+        request=request,
+    )
+    assert pipe.send(out) == (112, 1)
+    worker.join(10)
+    assert order[:3] == ["chunk read", "ready", "request"] and order.count("request") == 1
+    assert order.index("request") < order.index("regions")
+    assert order.index("request") < order.index("begin")
+    assert threads == [threading.get_ident()]
+
+
 def test_a_source_failing_on_its_first_tensors_releases_no_start() -> None:
     """The main thread fails making its first chunk: no start was released and ``begin`` never
     ran (no server opened a round; a worker written through from its start would refuse
@@ -515,6 +563,7 @@ def test_a_source_failing_on_its_first_tensors_releases_no_start() -> None:
         begin=lambda: order.append("begin"),
         metas=metas,
         ready=lambda: order.append("ready"),
+        request=lambda: order.append("request"),  # a round of one request: it stays unsent
     )
     with pytest.raises(RuntimeError, match="broke on its first tensor"):
         pipe.send(out)
