@@ -164,6 +164,41 @@ def test_a_rank_late_for_the_agreement_learns_at_once_that_rank_zero_gave_up(
     assert served(client) == before
 
 
+def test_a_rank_reaching_its_late_check_after_rank_zero_committed_follows_the_round(
+    server_url: str,
+    checkpoint: dict[str, np.ndarray],
+    client: HTTPWeightSyncClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 sends alone and commits without waiting for the others' own passes; a rank that
+    reaches its check for an early verdict (``_refused_already``) only after that commit reads
+    a verdict without an error: it follows the round (ok, the same version), not a
+    ``RoundFailed`` "rank 0 reported the round failed: None" (seen in CI under load)."""
+    from weightwire.trainer.multi_source import MultiSource
+
+    timeouts = Timeouts(http_s=6, connect_s=20, warmup_s=20, transfer_s=10)
+    check = MultiSource._refused_already
+    late: list[bool] = []
+
+    def after_the_commit(self: MultiSource) -> None:
+        if self.rank == 1:
+            self.exchange.get("verdict", 0, 20.0)  # rank 0 has committed by now
+            late.append(True)
+        check(self)
+
+    monkeypatch.setattr(MultiSource, "_refused_already", after_the_commit)
+
+    def rounds(rank: int, engine: Any) -> list[Outcome]:
+        return [attempt(engine, "late-1"), attempt(engine, "late-2")]
+
+    zero, one = two_ranks(server_url, checkpoint, rounds, timeouts, 3.0)
+    if not late:
+        pytest.skip("this group runs no check for an early verdict (no sliced stars)")
+    for outcomes in (zero, one):
+        assert [o[:2] for o in outcomes] == [("ok", "late-1"), ("ok", "late-2")], outcomes
+    assert served(client)[1] == "late-2"
+
+
 def test_a_start_the_asleep_server_refused_keeps_every_rank_and_the_round_after_wake_commits(
     server_url: str, checkpoint: dict[str, np.ndarray], client: HTTPWeightSyncClient
 ) -> None:

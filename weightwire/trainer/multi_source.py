@@ -558,12 +558,15 @@ class MultiSource:
     def _refused_already(self) -> None:
         """A rank that agreed late: rank 0 may have given up on the agreement already (its
         verdict is posted); its next wait on rank 0 (a turn's or a sliced round's "go",
-        the holdings' exchange) would otherwise last its whole bound."""
+        the holdings' exchange) would otherwise last its whole bound. A verdict without an
+        error is no refusal: rank 0, sending alone, may have committed the round before this
+        rank got here (its own pass and the verdict follow as usual)."""
         try:
             verdict = self.exchange.get("verdict", 0, _LATE_S)
         except GroupTimeout:
             return  # the usual case: rank 0 is running the round
-        raise self._failure(verdict)
+        if verdict.get("error"):
+            raise self._failure(verdict)
 
     def _follow(self, bplan: BroadcastPlan, clock: PhaseClock) -> RoundMetrics:
         """A non-zero rank's part of a round: its own turn (if any), every other turn's
