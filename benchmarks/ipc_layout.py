@@ -12,7 +12,7 @@ from ipc_probes import profiled, trace_worker  # beside this script
 from weightwire._trace import trace
 from weightwire.tools.bench import sync_shim as bench_sync_shim
 
-TRACING = bool(os.environ.get("WEIGHTWIRE_IPC_TRACE"))  # the same switch as slots.trace
+TRACING = bool(os.environ.get("WEIGHTWIRE_IPC_TRACE"))  # the same switch as _trace.trace
 
 
 class IPCShimReceiver(bench_sync_shim.Receiver):

@@ -5,11 +5,11 @@
     python benchmarks/ipc_timeline.py /tmp/tr/x
 
 Every process appends ``(perf_counter, mark)`` pairs to ``<prefix>.<side>.<pid>.jsonl``
-(``backends.ipc.slots.trace``; ``perf_counter`` is the host's monotonic clock, the same in
-every process). This merges them, cuts rounds at the trainer's ``send>`` marks (written by
-``bench_ipc.py`` around each timed ``send_weights``), and prints, per configuration, each
-mark's median offset from the round's start in ms, in time order: where a round's
-milliseconds go, which side is waiting on which.
+(``weightwire._trace.trace``: trainer, API server, worker; ``perf_counter`` is the host's
+monotonic clock, the same in every process). This merges them, cuts rounds at the trainer's
+``send>`` marks (written by ``bench_ipc.py`` around each timed ``send_weights``), and prints,
+per configuration, each mark's median offset from the round's start in ms, in time order:
+where a round's milliseconds go, which side is waiting on which.
 """
 
 from __future__ import annotations
