@@ -14,6 +14,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -467,14 +468,13 @@ def test_a_round_in_one_request_is_accepted_at_any_go_and_says_it_heard_the_work
     assert [m["op"] for m in worker.seen] == ["path", "done", "done"]
 
 
-def test_the_start_is_released_once_the_first_chunk_was_made_before_begin_runs() -> None:
-    """The first chunk's tensors are read from the source, then the start is released (its
-    staging and ``begin`` follow): a source that fails on its first tensors lets no start
-    out."""
+def _logged_round(order: list[str]) -> tuple[Any, Any, Any, Callable[[], Any], Callable[[], None]]:
+    """A started round's set-up whose first steps land in ``order``: ``(metas, worker, pipe,
+    prepared, begin)``; ``prepared()`` logs "chunk read" per chunk it yields (three tensors in
+    chunks of 100 bytes), ``begin`` logs "begin" and lets the worker's start through."""
     metas, table = _fused()
     _, _, worker, pipe = _setup(table, metas)
     worker.start()
-    order: list[str] = []
     chunks = plan(metas, packed=True, buffer_size_bytes=100)
     tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
 
@@ -487,6 +487,15 @@ def test_the_start_is_released_once_the_first_chunk_was_made_before_begin_runs()
         order.append("begin")
         worker.started.release()
 
+    return metas, worker, pipe, prepared, begin
+
+
+def test_the_start_is_released_once_the_first_chunk_was_made_before_begin_runs() -> None:
+    """The first chunk's tensors are read from the source, then the start is released (its
+    staging and ``begin`` follow): a source that fails on its first tensors lets no start
+    out."""
+    order: list[str] = []
+    metas, worker, pipe, prepared, begin = _logged_round(order)
     out = Outgoing(
         prepared(), threading.Event(), begin=begin, metas=metas, ready=lambda: order.append("ready")
     )
@@ -500,26 +509,13 @@ def test_the_one_request_leaves_from_the_data_paths_thread_before_its_first_regi
     """``Outgoing.request`` (a round of one request): called once, on the data path's own
     thread, after the first chunk was made and the start released, before that chunk's
     regions are taken and before ``begin`` runs on its helper."""
-    metas, table = _fused()
-    _, _, worker, pipe = _setup(table, metas)
-    worker.start()
     order: list[str] = []
     threads: list[int] = []
-    chunks = plan(metas, packed=True, buffer_size_bytes=100)
-    tensors = [(1_000_000 * (i + 1), n) for i, n in enumerate([64, 32, 16])]
-
-    def prepared() -> Any:
-        for c in chunks:
-            order.append("chunk read")
-            yield c, tensors[c.start : c.stop]
+    metas, worker, pipe, prepared, begin = _logged_round(order)
 
     def request() -> None:
         threads.append(threading.get_ident())
         order.append("request")
-
-    def begin() -> None:
-        order.append("begin")
-        worker.started.release()
 
     regions = pipe._packer.regions
 
