@@ -48,11 +48,11 @@ from weightwire.trainer.metrics import PhaseClock
 logger = logging.getLogger(__name__)
 
 _GRACE_S = 2.0
+"""How long a failed data plane waits for the server's verdict before raising its own
+(a worker that failed answers its request within milliseconds)."""
 _SENT_BOUND_S = 0.005
 """How long the data path lets the round's one request be written (``Transfer._send_one``):
 it leaves in tenths of a millisecond; the bound only keeps a slow one from holding it up."""
-"""How long a failed data plane waits for the server's verdict before raising its own
-(a worker that failed answers its request within milliseconds)."""
 
 _SETTLE_POLL_S = 0.05
 
