@@ -9,10 +9,10 @@ from typing import Any
 
 from ipc_probes import profiled, trace_worker  # beside this script
 
-from weightwire._trace import trace
+from weightwire._trace import trace, tracing
 from weightwire.tools.bench import sync_shim as bench_sync_shim
 
-TRACING = bool(os.environ.get("WEIGHTWIRE_IPC_TRACE"))  # the same switch as _trace.trace
+TRACING = tracing  # the one switch: weightwire._trace
 
 
 class IPCShimReceiver(bench_sync_shim.Receiver):

@@ -8,10 +8,11 @@ import json
 import os
 import time
 
-_TRACE_TO = os.environ.get("WEIGHTWIRE_IPC_TRACE")
+_TRACE_TO = os.environ.get("WEIGHTWIRE_IPC_TRACE") or None  # set and empty: off
 _trace: list[tuple[float, str]] = []
 
 tracing = _TRACE_TO is not None
+"""Whether marks are recorded (a benchmark adds its own probes only then)."""
 
 
 def trace(event: str) -> None:
