@@ -53,13 +53,13 @@ class _StubWorker:
     def op_init(self, init_info: dict[str, Any]) -> dict[str, Any]:
         return {"rank": init_info.get("rank_offset", 1)}
 
-    def op_start(self) -> None:
+    def op_start(self, **_: Any) -> None:  # the round's bound (timeout_s) and flags
         return None
 
-    def op_update(self, update_info: dict[str, Any]) -> dict[str, Any]:
+    def op_update(self, update_info: dict[str, Any], **_: Any) -> dict[str, Any]:
         return {"tensors": 0, "chunks": 0, "nbytes": 0, "seconds": 0.0}
 
-    def op_finish(self, epoch: int | None = None, timeout_s: float | None = None) -> None:
+    def op_finish(self, **_: Any) -> None:
         return None
 
     def op_shutdown(self) -> None:
@@ -236,6 +236,10 @@ def _cases(ports: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for kind in ("instant", "worker"):
         client = HTTPWeightSyncClient(f"http://127.0.0.1:{ports[kind]['port']}", timeout=60)
         client.init_weight_transfer_engine(init)
+        # A first round lists its tensors: the timed ones reuse that list (empty lists).
+        client.start_weight_update()
+        client.update_weights({"names": ["w"], "dtype_names": ["float32"], "shapes": [[1]]})
+        client.finish_weight_update("v")
         # One case per round: its three calls are timed one by one and in order.
         cases[kind] = (
             client.start_weight_update,

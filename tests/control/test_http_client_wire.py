@@ -37,6 +37,7 @@ class WireServer:
             False  # close the connection without saying so (an idle-timeout close)
         )
         self.reply_headers = b""
+        self.raw_reply: bytes | None = None  # sent as it is instead of ``reply``, then closed
         self.before_reply: Any = None  # called once a request was read, before its reply
         # Which connection each request came on (numbered as they first carry one: a stray
         # connect from elsewhere on the host that sends nothing is not counted), and how many
@@ -80,6 +81,10 @@ class WireServer:
                     continue
                 if self.before_reply is not None:
                     self.before_reply()
+                if self.raw_reply is not None:
+                    conn.sendall(self.raw_reply)
+                    conn.close()
+                    return
                 status, payload = self.reply
                 conn.sendall(
                     b"HTTP/1.1 %d X\r\n"
@@ -207,7 +212,7 @@ def _until_idle_sockets_show_the_close(client: HTTPWeightSyncClient) -> None:
 
     from weightwire.control.request_path import _readable
 
-    transport: Any = client._paths[0].transport
+    transport: Any = client._paths[0]._own
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         with transport._lock:
@@ -279,6 +284,35 @@ def test_compressed_replies_are_decoded(server: WireServer) -> None:
     assert client.weight_info() == [{"weight_version": "v3"}]
 
 
+def test_replies_chunked_or_ended_by_the_close_are_read_whole_and_a_cut_one_fails(
+    server: WireServer,
+) -> None:
+    """The reply's framing is the server's choice (a proxy may chunk it, an HTTP/1.0 one end
+    it by closing): each is read whole; a reply cut short by a close is an error, never a
+    truncated body taken as the answer."""
+    client = HTTPWeightSyncClient(server.url, timeout=5)
+    body = b'{"weight_version": "v9"}'
+    server.raw_reply = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\n\r\n5\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n"
+        % (body[:5], len(body) - 5, body[5:])
+    )
+    assert client.weight_info() == [{"weight_version": "v9"}]
+    server.raw_reply = b"HTTP/1.0 200 OK\r\ncontent-type: application/json\r\n\r\n" + body
+    assert client.weight_info() == [{"weight_version": "v9"}]
+    server.raw_reply = b"HTTP/1.1 200 OK\r\ncontent-length: 40\r\n\r\n" + body
+    with pytest.raises(WeightSyncError, match=r"\(no response\): RemoteProtocolError: .*closed"):
+        client.weight_info()
+    server.raw_reply = b"HTTP/1.1 404 Gone Away\r\ncontent-length: 0\r\n\r\n"
+    with pytest.raises(WeightSyncError, match=r"\(status 404\): Gone Away") as info:
+        client.weight_info()
+    assert info.value.status == 404
+    server.raw_reply = b"garbage\r\n\r\n"
+    with pytest.raises(WeightSyncError, match=r"\(no response\): RemoteProtocolError"):
+        client.weight_info()
+    client.close()
+
+
 def test_a_session_id_with_a_line_break_never_splits_the_request_head(server: WireServer) -> None:
     server.reply = (200, b'{"session_id": "s\\r\\nX-Injected: 1"}')
     client = HTTPWeightSyncClient(server.url, timeout=5)
@@ -315,7 +349,7 @@ def test_a_query_built_once_per_route_goes_out_as_httpx_writes_it(server: WireSe
     assert lines[2] == "POST /start_weight_update?reset_caches=true&resume=true HTTP/1.1"
     assert lines[3] == "POST /start_weight_update?tags=weights&tags=kv_cache HTTP/1.1"
     assert lines[5] == "POST /start_weight_update HTTP/1.1"
-    assert len(client._paths[0]._urls) == 4  # one per route and query, the list's not kept
+    assert len(client._paths[0]._heads) == 4  # one per route and query, the list's not kept
     client.close()
     plain.close()
 
