@@ -37,7 +37,7 @@ class WireServer:
             False  # close the connection without saying so (an idle-timeout close)
         )
         self.reply_headers = b""
-        self.raw_reply: bytes | None = None  # sent as it is instead of ``reply``, then closed
+        self.raw_reply: bytes | None = None  # sent instead of ``reply``, then closed: say so
         self.before_reply: Any = None  # called once a request was read, before its reply
         # Which connection each request came on (numbered as they first carry one: a stray
         # connect from elsewhere on the host that sends nothing is not counted), and how many
@@ -293,7 +293,7 @@ def test_replies_chunked_or_ended_by_the_close_are_read_whole_and_a_cut_one_fail
     client = HTTPWeightSyncClient(server.url, timeout=5)
     body = b'{"weight_version": "v9"}'
     server.raw_reply = (
-        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
         b"transfer-encoding: chunked\r\n\r\n5\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n"
         % (body[:5], len(body) - 5, body[5:])
     )
@@ -303,7 +303,7 @@ def test_replies_chunked_or_ended_by_the_close_are_read_whole_and_a_cut_one_fail
     server.raw_reply = b"HTTP/1.1 200 OK\r\ncontent-length: 40\r\n\r\n" + body
     with pytest.raises(WeightSyncError, match=r"\(no response\): RemoteProtocolError: .*closed"):
         client.weight_info()
-    server.raw_reply = b"HTTP/1.1 404 Gone Away\r\ncontent-length: 0\r\n\r\n"
+    server.raw_reply = b"HTTP/1.1 404 Gone Away\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
     with pytest.raises(WeightSyncError, match=r"\(status 404\): Gone Away") as info:
         client.weight_info()
     assert info.value.status == 404

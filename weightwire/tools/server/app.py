@@ -37,6 +37,7 @@ from weightwire.tools.server.web import (
     ApiError,
     BodyLimitMiddleware,
     ClientGone,
+    ReferenceApp,
     install_error_handlers,
 )
 from weightwire.tools.server.weight_routes import install_weight_routes
@@ -48,7 +49,7 @@ __all__ = ["SERVER_VERSION", "ServerOptions", "ServerState", "create_app", "gene
 def create_app(state: ServerState) -> FastAPI:
     """The app serving ``state``: middlewares (API key outermost, before any body is read;
     then the body limit), error handlers, then every route group."""
-    app = FastAPI(
+    app = ReferenceApp(
         title="weightwire reference server", docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.weightwire = state
