@@ -326,6 +326,7 @@ class Transfer:
             stop, comm, heard, answered = self._stop, self._comm, self._heard, self._answered
 
             def done(f: Future) -> None:  # not a bound method: no cycle through the future
+                trace("post done")
                 answered.set()
                 if f.exception() is not None:
                     stop.set()

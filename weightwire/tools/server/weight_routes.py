@@ -188,12 +188,12 @@ def _round_routes(app: FastAPI, state: ServerState) -> None:
 
     @plain_post(app, route_path("update_weights"))
     async def update_weights(request: Request) -> JSONResponse:
+        dump_trace("api")  # the last request's marks: none of its own reply's time is spent here
         trace("in")
         try:
             return await _update_weights(request)
         finally:
             trace("out")
-            dump_trace("api")
 
     async def _update_weights(request: Request) -> JSONResponse:
         clock = CallClock()
