@@ -18,7 +18,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol
 
 import numpy as np
 
@@ -199,10 +199,10 @@ class Link(Protocol):
     def close(self) -> None: ...
 
 
-@runtime_checkable
 class WatchesPeer(Protocol):
     """A ``Link`` that tells, without traffic, whether a worker closed it (a server that
-    dropped this trainer between rounds). Optional: a link without it is never displaced."""
+    dropped this trainer between rounds). Optional: a link without it is never displaced
+    (the engine looks for ``peer_closed``)."""
 
     def peer_closed(self) -> bool: ...
 
