@@ -30,6 +30,7 @@ import numpy as np
 from weightwire.backends.base import DevicePacker, LocalShards
 from weightwire.jax_side.delta import JaxDeltaKernel, Prefix
 from weightwire.jax_side.dtypes import describe as _describe
+from weightwire.jax_side.dtypes import is_array
 from weightwire.jax_side.source import PytreeSource
 from weightwire.shared.meta import ParamMeta
 from weightwire.shared.slices import Box
@@ -44,7 +45,7 @@ from weightwire.trainer.snapshot import FrozenSource, Snapshot
 
 def _kept(tensor: Any) -> Any:
     """What a snapshot holds of a tensor: a jax.Array itself, a copy of a mutable one."""
-    if isinstance(tensor, jax.Array):
+    if is_array(tensor):
         return tensor
     return np.array(tensor, copy=True)
 

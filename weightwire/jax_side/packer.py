@@ -27,6 +27,7 @@ from jax import lax
 from weightwire.backends.base import DevicePacker
 from weightwire.backends.device import DeviceBytes
 from weightwire.jax_side.delta import arrays_of
+from weightwire.jax_side.dtypes import is_array
 
 _WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -124,10 +125,7 @@ class JaxDevicePacker(DevicePacker):
         ``array_device_bytes`` derives, for an array known to sit on this one device."""
         sharding = self._sharding
         arrays, windows = arrays_of(tensors)  # a delta round's patches: windows of arrays
-        arrays = [
-            x if isinstance(x, jax.Array) and x.sharding == sharding else self._here(x)
-            for x in arrays
-        ]
+        arrays = [x if is_array(x) and x.sharding == sharding else self._here(x) for x in arrays]
         # The copies read the buffers outside XLA's stream order: wait until they hold
         # their values (a no-op for arrays computed long ago, e.g. the trainer's params).
         # One readiness wait for the whole chunk.
@@ -135,7 +133,8 @@ class JaxDevicePacker(DevicePacker):
         sizes, device = self._nbytes, self._hardware_id
         out = []
         for x, window in zip(arrays, windows, strict=True):
-            key = (x.shape, x.dtype)
+            aval = x.aval  # its shape and dtype at a quarter of the array's own properties' cost
+            key = (aval.shape, aval.dtype)
             nbytes = sizes.get(key)
             if nbytes is None:
                 if len(sizes) > 4096:  # shapes that keep changing: stay bounded
@@ -143,7 +142,7 @@ class JaxDevicePacker(DevicePacker):
                 nbytes = sizes[key] = int(x.nbytes)
             skip = 0
             if window is not None:
-                skip, nbytes = window[0] * x.dtype.itemsize, window[1] * x.dtype.itemsize
+                skip, nbytes = window[0] * aval.dtype.itemsize, window[1] * aval.dtype.itemsize
             # An empty array may have no buffer to point at.
             ptr = int(x.unsafe_buffer_pointer()) + skip if nbytes else 0
             out.append(DeviceBytes(ptr, nbytes, device, x))
