@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     from safetensors.numpy import load_file
 
+    from weightwire._trace import dump_trace, trace
     from weightwire.control import HTTPWeightSyncClient
     from weightwire.jax_side.dtypes import describe
     from weightwire.jax_side.engine import JAXTrainerEngine
@@ -204,8 +205,11 @@ def main(argv: list[str] | None = None) -> int:
                     calls.clear()
                     told.clear()
                 began = time.perf_counter()
+                trace("send> round")  # WEIGHTWIRE_IPC_TRACE: benchmarks/ipc_timeline.py reads
                 m = engine.send_weights()
                 total = time.perf_counter() - began
+                trace("send<")
+                dump_trace("trainer")
                 if i < args.warmup:
                     continue
                 with lock:

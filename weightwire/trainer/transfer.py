@@ -310,6 +310,7 @@ class Transfer:
         trace("one>")
         try:
             self._control()
+            trace("control<")
             post, sent = self._post_update, self._sent
 
             def posted() -> Any:
@@ -335,7 +336,9 @@ class Transfer:
 
             future.add_done_callback(done)
             self._update = future
+            trace("spawned")
             sent.wait(_SENT_BOUND_S)
+            trace("sent seen")
         finally:
             self._clock.shift("transfer", "control", time.perf_counter() - started)
 
