@@ -373,3 +373,25 @@ def test_on_sent_tells_the_calling_thread_once_its_request_left_before_the_reply
     client.start_weight_update()  # outside the block: nobody is told
     assert seen == [True, False] and not told.is_set()
     client.close()
+
+
+def test_kept_heads_stay_bounded_and_every_request_still_goes_out_as_httpx_writes_it(
+    server: WireServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from weightwire.control import request_path
+    from weightwire.shared import routes
+
+    monkeypatch.setattr(request_path, "_KEPT", 3)
+    client = HTTPWeightSyncClient(server.url, timeout=5)
+    queries = [{"pause": f"p{i % 5}"} for i in range(12)]
+    for params in queries:
+        client._request(0, routes.START, None, params)
+        assert len(client._paths[0]._heads) <= 3
+    ours = list(server.requests)
+    server.requests.clear()
+    plain = httpx.Client(base_url=server.url)
+    for params in queries:
+        plain.post("/start_weight_update", params=params)
+    assert ours == server.requests
+    client.close()
+    plain.close()

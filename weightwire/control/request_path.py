@@ -62,7 +62,8 @@ def on_sent(callback: Callable[[], None]) -> Iterator[None]:
 
 
 _KEPT = 256
-"""Request heads (route, query, headers, kind of body) one server's request path keeps."""
+"""Request heads (route, query, headers, kind of body) one server's request path keeps; when
+full it starts again (a long run's re-inits each bring a session id: new heads)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,8 +220,9 @@ class RequestPath:
             return _split_head(self._request(route, content, headers, params), content)
         if head is None:
             head = _split_head(self._request(route, content, headers, params), content)
-            if len(self._heads) < _KEPT:
-                self._heads[key] = head
+            if len(self._heads) >= _KEPT:  # each new session's id is a new header set
+                self._heads.clear()
+            self._heads[key] = head
         return head
 
     def close(self) -> None:
