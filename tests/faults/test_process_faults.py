@@ -176,6 +176,7 @@ def test_trainer_dies_mid_broadcast(
 
 
 # ----------------------------------------------------------------------------- server dies
+@pytest.mark.slow  # 21 s on 2 cores; test_server_dies_mid_broadcast stays in the README lane
 def test_server_dies_before_broadcast(
     servers: Servers, source: TensorSource, checkpoint: dict[str, str]
 ) -> None:
@@ -234,6 +235,7 @@ def test_server_dies_mid_broadcast(
 
 
 # ----------------------------------------------------------------------------- one replica dies
+@pytest.mark.slow  # 23 s on 2 cores
 def test_replica_dies_while_the_other_lives(servers: Servers, source: TensorSource) -> None:
     probe = servers.probe
     engine = engine_for(servers.current.url, source)

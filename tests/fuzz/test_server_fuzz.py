@@ -103,6 +103,7 @@ def _record(request: pytest.FixtureRequest) -> Any:
 
 
 # ---------------------------------------------------------------------------- any route
+@pytest.mark.slow  # 35 s on 2 cores: the README lane stays under 10 minutes
 @fuzz(3300)
 @given(route=st.sampled_from(ALL_ROUTES), value=json_values, wrap=st.integers(0, 2))
 def test_random_json_on_any_route(
@@ -125,6 +126,7 @@ def test_raw_bytes_on_any_route(fuzz_server: FuzzServer, route: Route, raw: byte
 
 
 # ---------------------------------------------------------------------------- near-valid bodies
+@pytest.mark.slow  # 17 s on 2 cores
 @fuzz(1300)
 @given(info=broken_dict(VALID_TCP_INIT))
 def test_broken_init_infos(fuzz_server: FuzzServer, info: dict[str, Any]) -> None:

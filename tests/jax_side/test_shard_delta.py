@@ -27,6 +27,7 @@ def run_cases(*args: str) -> int:
     return int(json.loads(done.stdout.strip().splitlines()[-1])["checked"])
 
 
+@pytest.mark.slow  # 31 s on 2 cores (subprocesses with several JAX devices)
 def test_patches_from_shards_equal_patches_from_the_whole_tensor() -> None:
     """FSDP 4 x TP 2: every layout (both axes, one, replicated, an axis that does not divide
     its dimension, both axes on one dimension, 3-D, 1-D) in float32, the FSDP x TP layout in
