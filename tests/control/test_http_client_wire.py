@@ -324,6 +324,18 @@ def test_a_session_id_with_a_line_break_never_splits_the_request_head(server: Wi
     assert not any(k.lower() == "x-injected" for head, _ in server.requests for k, _ in head)
 
 
+def _as_httpx_sends_starts(server: WireServer, queries: list[dict[str, Any]]) -> list[Any]:
+    """The requests ``server`` recorded (then forgotten) after asserting they equal what
+    ``httpx.Client`` sends for a start with each of ``queries``."""
+    ours = list(server.requests)
+    server.requests.clear()
+    with httpx.Client(base_url=server.url) as plain:
+        for params in queries:
+            plain.post("/start_weight_update", params=params)
+    assert ours == server.requests
+    return ours
+
+
 def test_a_query_built_once_per_route_goes_out_as_httpx_writes_it(server: WireServer) -> None:
     from weightwire.shared import routes
 
@@ -338,12 +350,7 @@ def test_a_query_built_once_per_route_goes_out_as_httpx_writes_it(server: WireSe
     ]
     for params in queries:
         client._request(0, routes.START, None, params)
-    ours = list(server.requests)
-    server.requests.clear()
-    plain = httpx.Client(base_url=server.url)
-    for params in queries:
-        plain.post("/start_weight_update", params=params)
-    assert ours == server.requests
+    ours = _as_httpx_sends_starts(server, queries)
     lines = [head[0][1] for head, _ in ours]
     assert lines[1] == "POST /start_weight_update?pause=abort HTTP/1.1"
     assert lines[2] == "POST /start_weight_update?reset_caches=true&resume=true HTTP/1.1"
@@ -351,7 +358,6 @@ def test_a_query_built_once_per_route_goes_out_as_httpx_writes_it(server: WireSe
     assert lines[5] == "POST /start_weight_update HTTP/1.1"
     assert len(client._paths[0]._heads) == 4  # one per route and query, the list's not kept
     client.close()
-    plain.close()
 
 
 def test_on_sent_tells_the_calling_thread_once_its_request_left_before_the_reply(
@@ -387,11 +393,5 @@ def test_kept_heads_stay_bounded_and_every_request_still_goes_out_as_httpx_write
     for params in queries:
         client._request(0, routes.START, None, params)
         assert len(client._paths[0]._heads) <= 3
-    ours = list(server.requests)
-    server.requests.clear()
-    plain = httpx.Client(base_url=server.url)
-    for params in queries:
-        plain.post("/start_weight_update", params=params)
-    assert ours == server.requests
+    _as_httpx_sends_starts(server, queries)
     client.close()
-    plain.close()
